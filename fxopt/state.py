@@ -1,0 +1,53 @@
+"""Snapshot and restore everything a training step changes, so fxopt never leaves a trace.
+
+``preserved_state(*modules)`` restores, on exit: every parameter's ``.grad`` (the same tensor
+object or None, as before), every buffer's *values* (BatchNorm running stats, counters), each
+module's ``training`` flag, and the CPU and CUDA RNG states. It is what lets ``verify`` and
+``measure`` run real training steps on the user's own Parameter objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def _unique_tensors(modules: tuple[nn.Module, ...], kind: str) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for module in modules:
+        named = module.named_parameters if kind == "params" else module.named_buffers
+        for _, t in named(remove_duplicate=False):
+            seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore the CPU and (if initialised) CUDA RNG states on exit."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+@contextlib.contextmanager
+def preserved_state(*modules: nn.Module) -> Iterator[None]:
+    """Run a block that may train ``modules``; afterwards they are exactly as before."""
+    params = _unique_tensors(modules, "params")
+    buffers = _unique_tensors(modules, "buffers")
+    grads = [p.grad for p in params]
+    buffer_values = [b.detach().clone() for b in buffers]
+    flags = [(m, m.training) for module in modules for m in module.modules()]
+    try:
+        with preserved_rng():
+            yield
+    finally:
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.grad = g
+            for b, v in zip(buffers, buffer_values):
+                b.copy_(v)
+        for m, flag in flags:
+            m.training = flag
