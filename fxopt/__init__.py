@@ -1,0 +1,1 @@
+"""fxopt (public API assembled once all modules land)."""

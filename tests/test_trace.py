@@ -1,0 +1,160 @@
+"""trace(): leaf fallback, errors, meta on fake tensors, and the user's model left untouched."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxopt.errors import InputError, TraceError
+from fxopt.trace import structural_copy, trace
+
+
+class DataDependentGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: torch.fx cannot trace this
+            return self.proj(x)
+        return -self.proj(x)
+
+
+class CountsRows(nn.Module):
+    def forward(self, x):
+        return x * int(x.shape[0] if isinstance(x, torch.Tensor) else x.size(0))
+
+
+class IteratesProxy(nn.Module):
+    def forward(self, x):
+        return torch.stack([row * 2 for row in x])  # iteration over a proxy
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.gate = DataDependentGate()
+        self.iterates = IteratesProxy()
+        self.bn = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.5)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x):
+        y = F.relu(self.inp(x)) + torch.ones(4)
+        return self.drop(self.bn(self.iterates(self.gate(y))))
+
+
+class RootFails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.mean() > 0:
+            return self.lin(x)
+        return x
+
+
+def test_leaf_fallback_innermost_first_and_outputs_equal():
+    model, x = Net(), torch.randn(3, 4)
+    gm = trace(model, (x,))
+    leaves = {leaf.path: leaf for leaf in gm.meta["fxopt_trace"].leaves}
+    assert set(leaves) == {"gate", "iterates"}
+    assert "control flow" in leaves["gate"].reason
+    assert "x.sum() > 0" in leaves["gate"].reason  # the user's source line
+    assert leaves["gate"].module_type == "DataDependentGate"
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    assert {"gate", "iterates"} <= targets and "gate.proj" not in targets
+    gm.eval(), model.eval()
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+
+
+def test_root_failure_raises_trace_error_with_where_and_hint():
+    with pytest.raises(TraceError) as info:
+        trace(RootFails(), torch.randn(2, 4))
+    message = str(info.value)
+    assert "RootFails" in message and "<root>" in message
+    assert "x.mean() > 0" in message  # source line
+    assert "what to do" in message
+
+
+def test_forced_leaf_modules():
+    gm = trace(Net(), torch.randn(3, 4), leaf_modules=("gate", "iterates"))
+    assert gm.meta["fxopt_trace"].leaves == []
+    assert "gate" in {n.target for n in gm.graph.nodes if n.op == "call_module"}
+
+
+def test_user_model_untouched_and_parameters_shared():
+    model, x = Net(), torch.randn(3, 4)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    attrs = {name: set(m.__dict__) for name, m in model.named_modules()}
+    rng = torch.get_rng_state()
+    gm = trace(model, x)
+    assert {name: set(m.__dict__) for name, m in model.named_modules()} == attrs
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())  # meta propagation draws no random numbers
+    assert gm.inp.weight is model.inp.weight and gm.bn.running_mean is model.bn.running_mean
+    assert gm.inp is not model.inp  # module objects are copies: passes may flip flags freely
+    gm.bn.momentum = 0.9
+    assert model.bn.momentum == 0.1
+
+
+def test_state_dict_keys_order_and_shapes_identical_including_unused_params():
+    model = Net()
+    gm = trace(model, torch.randn(3, 4))
+    assert [(k, v.shape) for k, v in gm.state_dict().items()] == [
+        (k, v.shape) for k, v in model.state_dict().items()
+    ]
+    assert [id(p) for p in gm.parameters()] == [id(p) for p in model.parameters()]
+    gm.load_state_dict(model.state_dict())
+    model.load_state_dict(gm.state_dict())
+
+
+def test_meta_val_on_every_node_is_fake_with_right_shape():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gm = trace(Net(), torch.randn(3, 4))
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        assert isinstance(node.meta["val"], FakeTensor), node.name
+        assert node.meta["val"].shape[-1] == 4 or node.op == "get_attr"
+    gate = next(n for n in gm.graph.nodes if n.target == "gate")
+    assert gate.meta["fxopt_meta_source"] == "real"  # data-dependent leaf ran once for real
+    assert tuple(gate.meta["val"].shape) == (3, 4)
+
+
+def test_tied_weights_stay_tied():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 6)
+            self.head = nn.Linear(6, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, tokens):
+            return self.head(self.emb(tokens))
+
+    model = Tied()
+    gm = trace(model, torch.randint(0, 10, (2, 3)))
+    assert gm.head.weight is gm.emb.weight is model.emb.weight
+    assert list(gm.state_dict()) == list(model.state_dict())
+
+
+def test_structural_copy_preserves_module_sharing():
+    shared = nn.ReLU()
+    model = nn.Sequential(nn.Linear(2, 2), shared, nn.Linear(2, 2), shared)
+    copy = structural_copy(model)
+    assert copy[1] is copy[3] and copy[1] is not shared
+
+
+@pytest.mark.parametrize("bad_model", [object(), lambda x: x, "resnet"])
+def test_non_module_is_input_error(bad_model):
+    with pytest.raises(InputError, match="torch.nn.Module"):
+        trace(bad_model, torch.randn(2))
+
+
+def test_non_tensor_inputs_are_input_error():
+    with pytest.raises(InputError, match="tensor"):
+        trace(nn.Linear(2, 2), ([1.0, 2.0],))
