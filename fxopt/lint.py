@@ -28,7 +28,7 @@ def snapshot(gm: fx.GraphModule) -> GraphSnapshot:
         node_names=frozenset(n.name for n in gm.graph.nodes),
         code=gm.code,
         state_shapes=tuple((k, tuple(v.shape)) for k, v in gm.state_dict(keep_vars=True).items()),
-        param_ids=tuple(id(p) for p in gm.parameters(remove_duplicate=False)),
+        param_ids=tuple(id(p) for _, p in gm.named_parameters(remove_duplicate=False)),
     )
 
 

@@ -1,0 +1,121 @@
+"""Config resolution, the pass loop, lint between passes, and graph dumps."""
+
+import pytest
+import torch
+from torch import fx, nn
+
+import passes as registry
+from fxopt.errors import ConfigError, PassError
+from fxopt.pass_base import PassResult, mark_new
+from fxopt.pipeline import Config, parse_pass_spec, run_passes
+from fxopt.trace import trace
+
+
+def _noop(gm, *, scale: float = 1.0):
+    return PassResult(gm, False, {"scale": scale})
+
+
+def _double_output(gm):
+    """Insert ``out * 2`` before the output, with provenance and meta."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    value = out.args[0]
+    with gm.graph.inserting_before(out):
+        doubled = gm.graph.call_function(torch.mul, (value, 2))
+    doubled.meta["val"] = value.meta["val"] * 2
+    mark_new(doubled, "double")
+    out.args = (doubled,)
+    return PassResult(gm, True, {"inserted": 1})
+
+
+def _no_provenance(gm):
+    result = _double_output(gm)
+    next(n for n in gm.graph.nodes if n.target is torch.mul).meta.pop("fxopt_pass")
+    return result
+
+
+def _lies_unmodified(gm):
+    _double_output(gm)
+    return PassResult(gm, False)
+
+
+def _crashes(gm):
+    raise RuntimeError("boom")
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    specs = {}
+    for name, fn, aliases in [
+        ("first", _noop, ("f",)),
+        ("double", _double_output, ()),
+        ("no_provenance", _no_provenance, ()),
+        ("lies", _lies_unmodified, ()),
+        ("crashes", _crashes, ()),
+        ("checkpoint", _noop, ()),
+    ]:
+        specs[name] = registry.PassSpec(name, fn, name, default=name in ("first", "double"),
+                                        aliases=aliases)
+    monkeypatch.setattr(registry, "REGISTRY", specs)
+    return specs
+
+
+def _gm():
+    return trace(nn.Sequential(nn.Linear(3, 3), nn.ReLU()), torch.randn(2, 3))
+
+
+def test_parse_pass_spec():
+    assert parse_pass_spec("inplace,checkpoint{budget=0.5, exact=true},reorder") == [
+        ("inplace", {}), ("checkpoint", {"budget": 0.5, "exact": True}), ("reorder", {}),
+    ]
+    assert parse_pass_spec("checkpoint{budget=2GiB}") == [("checkpoint", {"budget": "2GiB"})]
+    with pytest.raises(ConfigError, match="no '='"):
+        parse_pass_spec("checkpoint{budget}")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        parse_pass_spec("a,,{x=1}")
+
+
+def test_defaults_aliases_and_order(fake_registry):
+    assert [s.name for s, _ in Config().resolved()] == ["first", "double"]
+    assert [s.name for s, _ in Config(passes="f{scale=2}").resolved()] == ["first"]
+    with pytest.raises(ConfigError) as info:
+        Config(passes=["double", "first"]).resolved()
+    assert "first, double, no_provenance, lies, crashes, checkpoint" in str(info.value)
+    with pytest.raises(ConfigError, match="unknown pass 'nope'"):
+        Config(passes=["nope"]).resolved()
+    with pytest.raises(ConfigError, match="twice"):
+        Config(passes=["first", "f"]).resolved()
+
+
+def test_memory_budget_enables_checkpoint_with_budget(fake_registry):
+    plan = Config(passes=["first"], memory_budget="1GiB").resolved()
+    assert [(s.name, o) for s, o in plan] == [("first", {}), ("checkpoint", {"budget": "1GiB"})]
+
+
+def test_run_records_and_numerics(fake_registry, tmp_path):
+    gm = _gm()
+    x = torch.randn(2, 3)
+    expected = gm(x) * 2
+    records = run_passes(gm, Config(passes=[("first", {"scale": 3.0}), "double"], dump_dir=tmp_path))
+    assert [(r.name, r.modified) for r in records] == [("first", False), ("double", True)]
+    assert records[0].stats == {"scale": 3.0}
+    assert records[1].nodes_after == records[1].nodes_before + 1
+    torch.testing.assert_close(gm(x), expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00_traced.txt", "01_first.txt",
+                                                          "02_double.txt"]
+    assert "torch.mul" in (tmp_path / "02_double.txt").read_text()
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("no_provenance", "no meta\\['fxopt_pass'\\]"),
+    ("lies", "modified=False but changed"),
+    ("crashes", "crashed: RuntimeError: boom"),
+])
+def test_bad_pass_is_named_with_its_predecessors(fake_registry, bad, message):
+    with pytest.raises(PassError, match=message) as info:
+        run_passes(_gm(), Config(passes=["first", bad]))
+    assert f"pass '{bad}' (after: first)" in str(info.value)
+
+
+def test_bad_option_is_config_error(fake_registry):
+    with pytest.raises(ConfigError, match="bad options"):
+        run_passes(_gm(), Config(passes=[("first", {"nonsense": 1})]))
