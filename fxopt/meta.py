@@ -15,6 +15,8 @@ as good as that one sample.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_map, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from fxopt.state import preserved_rng
 
@@ -34,10 +36,12 @@ def _real_like(t: torch.Tensor) -> torch.Tensor:
 
 
 class _FakeInterpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, real_state: dict[str, torch.Tensor]):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, real_state: dict[str, torch.Tensor],
+                 around_node: Callable[[fx.Node], contextlib.AbstractContextManager] | None = None):
         super().__init__(gm)
         self.mode = mode
         self.real_state = real_state
+        self.around_node = around_node
         self.node: fx.Node | None = None
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -63,7 +67,8 @@ class _FakeInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         self.node = n
-        result = super().run_node(n)
+        with self.around_node(n) if self.around_node else contextlib.nullcontext():
+            result = super().run_node(n)
         if n.op == "get_attr":  # tracer constants are real tensors; keep meta fake throughout
             result = tree_map_only(torch.Tensor, self._as_fake, result)
         if n.op != "output":
@@ -73,13 +78,40 @@ class _FakeInterpreter(fx.Interpreter):
         return result
 
 
-def propagate_meta(gm: fx.GraphModule, example_inputs: tuple) -> None:
-    """Set ``meta["val"]`` (and ``meta["tensor_meta"]``) on every non-output node of ``gm``."""
+def _to_mode(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    if isinstance(t, FakeTensor):
+        with mode:
+            fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return fresh.requires_grad_(t.requires_grad)
+    return mode.from_tensor(t)
+
+
+def propagate_meta(gm: fx.GraphModule, example_inputs: tuple, *,
+                   around_node: Callable[[fx.Node], contextlib.AbstractContextManager] | None = None
+                   ) -> None:
+    """Set ``meta["val"]`` (and ``meta["tensor_meta"]``) on every non-output node of ``gm``.
+
+    ``around_node(node)``, if given, is a context manager entered around each node's fake
+    execution (e.g. a FLOP counter).
+    """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a,
-                           tuple(example_inputs))
+    fake_inputs = tree_map_only(torch.Tensor, lambda a: _to_mode(a, mode), tuple(example_inputs))
     real_state = dict(gm.named_parameters(remove_duplicate=False))
     real_state.update(gm.named_buffers(remove_duplicate=False))
     fake_state = {name: mode.from_tensor(t) for name, t in real_state.items()}
     with preserved_rng(), _reparametrize_module(gm, fake_state, tie_weights=True), mode:
-        _FakeInterpreter(gm, mode, real_state).run(*fake_inputs)
+        _FakeInterpreter(gm, mode, real_state, around_node).run(*fake_inputs)
+
+
+def placeholder_values(gm: fx.GraphModule) -> tuple:
+    """The example inputs as the graph last saw them: the placeholders' ``meta["val"]``."""
+    return tuple(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def refresh_meta(gm: fx.GraphModule) -> None:
+    """Recompute ``meta["val"]`` on every node after a rewrite, from the placeholders' meta.
+
+    Fake inputs of an earlier FakeTensorMode are rebuilt as fresh empty tensors of the same
+    shape, stride, dtype and device (values never matter to fake propagation).
+    """
+    propagate_meta(gm, placeholder_values(gm))

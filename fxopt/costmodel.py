@@ -1,0 +1,99 @@
+"""How long each forward node takes: a roofline estimate calibrated once on the device.
+
+``node_costs(gm)`` counts each node's FLOPs with ``torch.utils.flop_counter.FlopCounterMode``
+during a fake-tensor run (so no compute), and its memory traffic as the bytes of its tensor inputs
+and output. Seconds = max(FLOPs / peak FLOP rate, bytes / memory bandwidth), with both rates
+measured once per process and device by ``device_rates`` (a matmul and a large copy, a few tens of
+milliseconds). Only *relative* costs matter to the checkpoint planner, and a roofline ranks a
+convolution against a BatchNorm the right way round.
+
+A node is *heavy* when FlopCounterMode counts FLOPs for it: exactly the convolutions, matmuls
+and attention kernels that selective recomputation keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import tree_leaves
+
+from fxopt.meta import placeholder_values, propagate_meta
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    flops: int
+    bytes: int
+    seconds: float
+
+    @property
+    def heavy(self) -> bool:
+        return self.flops > 0
+
+
+@functools.cache
+def device_rates(device: str = "cpu") -> tuple[float, float]:
+    """(FLOP/s, bytes/s) measured on ``device`` with a matmul and a large copy."""
+    dev = torch.device(device)
+    a = torch.randn(512, 512, device=dev)
+    big = torch.empty(8 * 1024 * 1024 // 4, device=dev)
+
+    def timed(fn, reps: int) -> float:
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return (time.perf_counter() - start) / reps
+
+    flops = 2 * 512**3 / timed(lambda: a @ a, 5)
+    bandwidth = 2 * big.numel() * 4 / timed(lambda: big.clone(), 5)
+    return flops, bandwidth
+
+
+def _tensor_bytes(values: object) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(values)
+               if isinstance(t, torch.Tensor))
+
+
+def node_costs(gm: fx.GraphModule) -> dict[fx.Node, NodeCost]:
+    """Forward cost of every call node (placeholders, get_attr and output cost nothing)."""
+    flops: dict[fx.Node, int] = {}
+
+    @contextlib.contextmanager
+    def count(node: fx.Node) -> Iterator[None]:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            yield
+        flops[node] = counter.get_total_flops()
+
+    propagate_meta(gm, placeholder_values(gm), around_node=count)
+    device = _graph_device(gm)
+    flop_rate, byte_rate = device_rates(device)
+    costs = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        moved = _tensor_bytes([a.meta.get("val") for a in node.all_input_nodes]) + _tensor_bytes(
+            node.meta.get("val"))
+        f = flops.get(node, 0)
+        costs[node] = NodeCost(f, moved, max(f / flop_rate, moved / byte_rate))
+    return costs
+
+
+def _graph_device(gm: fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return "cuda" if val.device.type == "cuda" else "cpu"
+    return "cpu"

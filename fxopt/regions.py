@@ -1,0 +1,93 @@
+"""Run a piece of a graph under activation checkpointing, without side effects on recompute.
+
+``CheckpointedRegion(body, selective=...)`` is what a checkpointed region of an optimized graph
+calls. In a training forward it runs ``body`` through ``torch.utils.checkpoint.checkpoint`` with
+``use_reentrant=False`` (works when inputs do not require grad, with frozen parameters, under
+autocast and under DistributedDataParallel) and ``preserve_rng_state=True`` (dropout masks are
+replayed exactly). With grad disabled it just calls ``body``: inference pays nothing.
+
+Recomputation would run BatchNorm's running-statistics update a second time (PyTorch's own
+checkpoint does). Here every buffer the region's modules own is snapshotted when recomputation
+starts and restored when it ends, so after one training step ``running_mean``, ``running_var``
+and ``num_batches_tracked`` equal the unoptimized model's exactly.
+
+``selective=True`` keeps the outputs of convolutions and matmuls (selective activation
+checkpointing) so only the cheap, memory-bound ops are recomputed.
+
+The region object is stored on the GraphModule as a plain attribute, not a submodule: the
+parameters it uses stay registered once, under their original names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+aten = torch.ops.aten
+HEAVY_ATEN_OPS = frozenset({
+    aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
+    aten.baddbmm.default, aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+
+
+def _keep_heavy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in HEAVY_ATEN_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextlib.contextmanager
+def buffers_restored(body: torch.nn.Module) -> Iterator[None]:
+    """Whatever recomputation does to the region's buffers is undone when it ends."""
+    buffers = list(body.buffers())
+    saved = [b.detach().clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)
+
+
+class CheckpointedRegion:
+    """Callable that runs ``body`` (a GraphModule over the user's modules) checkpointed."""
+
+    def __init__(self, body: fx.GraphModule, *, selective: bool):
+        self.body = body
+        self.selective = selective
+
+    def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        if self.selective:
+            forward, recompute = create_selective_checkpoint_contexts(_keep_heavy)
+        else:
+            forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+        return forward, self._recomputing(recompute)
+
+    @contextlib.contextmanager
+    def _recomputing(self, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+        with buffers_restored(self.body), inner:  # snapshot outside SAC's dispatch mode
+            yield
+
+    def __call__(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.body(*args)
+        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=self._contexts)
+
+    def __repr__(self) -> str:
+        kind = "selective" if self.selective else "full"
+        return f"CheckpointedRegion({kind}, {len(self.body.graph.nodes)} nodes)"
+
+
+def call_region(region: CheckpointedRegion, *args: Any) -> Any:
+    """The graph's call site of a region: ``call_region(self._fxopt_region_0, x, y)``."""
+    return region(*args)
