@@ -1,0 +1,114 @@
+"""Exact live-tensor-storage accounting with a TorchDispatchMode.
+
+``LiveStorageTracker`` sees every aten op that runs while it is active -- forward, autograd's
+backward ops (run on the calling thread on CPU), gradient accumulation -- and records each output
+storage it has not seen before with its size. A storage counts as freed once its StorageImpl is
+gone (``StorageWeakRef.expired()``), which is checked before every op, so frees caused by Python
+dropping the last reference between ops (FX's ``x = None`` after a last use, autograd releasing
+saved tensors) are seen at the next op. Views share their base's storage and in-place ops return
+an existing storage, so neither is counted twice.
+
+It works the same on real CPU tensors and on FakeTensors (push the FakeTensorMode first, then the
+tracker): a fake storage has the size a real one would have, which is how ``fxopt.analysis``
+predicts the peak of a model without running it.
+
+Storages that existed before the tracker started (parameters, buffers, inputs) are not counted,
+nor views of them: an op output that shares a storage with one of the op's inputs allocated
+nothing. ``fxopt.measure`` adds the pre-existing storages as the baseline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+@dataclass
+class _Live:
+    ref: StorageWeakRef
+    nbytes: int
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Tracks bytes of storages created while active; ``peak_bytes`` is their maximum sum.
+
+    ``timeline`` (with ``record_timeline=True``) lists ``(op name, live bytes)`` after each op.
+    """
+
+    def __init__(self, *, record_timeline: bool = False) -> None:
+        super().__init__()
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.peak_op = ""
+        self.record_timeline = record_timeline
+        self.timeline: list[tuple[str, int]] = []
+        self._live: dict[int, _Live] = {}
+        self._at_peak: frozenset[int] = frozenset()
+        self._known: set[int] = set()
+
+    @staticmethod
+    def _key(storage: torch.UntypedStorage) -> int:
+        return storage._cdata
+
+    def ignore(self, tensors: Any) -> None:
+        """Treat these tensors' storages as pre-existing (never counted)."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                self._known.add(self._key(t.untyped_storage()))
+
+    def _collect_freed(self) -> None:
+        for key in [k for k, live in self._live.items() if live.ref.expired()]:
+            self.current_bytes -= self._live.pop(key).nbytes
+            self._known.discard(key)
+
+    def _add(self, t: torch.Tensor, op: str) -> None:
+        storage = t.untyped_storage()
+        key = self._key(storage)
+        if key in self._known and key not in self._live:
+            return
+        if key in self._live:
+            if not self._live[key].ref.expired():
+                return
+            self.current_bytes -= self._live.pop(key).nbytes  # address reused after a free
+        nbytes = storage.nbytes()
+        self._live[key] = _Live(StorageWeakRef(storage), nbytes)
+        self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self.peak_op = op
+            self._at_peak = frozenset(self._live)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._collect_freed()
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+        # An output sharing an input's storage (a view, an in-place result) allocated nothing.
+        reused = {self._key(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and self._key(t.untyped_storage()) not in reused:
+                self._add(t, name)
+        if self.record_timeline:
+            self.timeline.append((name, self.current_bytes))
+        return out
+
+    def bytes_at_peak(self, tensors: Any) -> int:
+        """Of the storages live at the peak, the bytes of those belonging to ``tensors``."""
+        seen, total = set(), 0
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                key = self._key(t.untyped_storage())
+                if key in self._at_peak and key not in seen:
+                    seen.add(key)
+                    total += self._live[key].nbytes if key in self._live else t.untyped_storage().nbytes()
+        return total
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = super().__exit__(*exc)
+        self._collect_freed()
+        return result
