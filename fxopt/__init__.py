@@ -1,1 +1,28 @@
-"""fxopt (public API assembled once all modules land)."""
+"""fxopt: rewrite PyTorch models with torch.fx to use less memory, and prove they are unchanged.
+
+Public API only; see README.md for a walkthrough.
+"""
+
+from fxopt.api import optimize
+from fxopt.errors import (
+    BudgetError,
+    ConfigError,
+    EquivalenceError,
+    FxoptError,
+    InputError,
+    PassError,
+    TraceError,
+)
+from fxopt.measure import MemoryFigure, MemoryReport, measure, measure_inference, measure_train_step
+from fxopt.pass_base import PassResult
+from fxopt.pipeline import Config
+from fxopt.report import Report
+from fxopt.trace import trace
+from fxopt.verify import VerifyReport, verify
+
+__all__ = [
+    "BudgetError", "Config", "ConfigError", "EquivalenceError", "FxoptError", "InputError",
+    "MemoryFigure", "MemoryReport", "PassError", "PassResult", "Report", "TraceError",
+    "VerifyReport", "measure", "measure_inference", "measure_train_step", "optimize", "trace",
+    "verify",
+]

@@ -61,6 +61,12 @@ class LiveStorageTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._known.add(self._key(t.untyped_storage()))
 
+    def track_existing(self, tensors: Any) -> None:
+        """Count these tensors' storages as live from now on (a baseline inside the figures)."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                self._add(t, "existing")
+
     def _collect_freed(self) -> None:
         for key in [k for k, live in self._live.items() if live.ref.expired()]:
             self.current_bytes -= self._live.pop(key).nbytes

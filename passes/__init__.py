@@ -41,3 +41,21 @@ def lookup(name: str) -> PassSpec | None:
         if name == spec.name or name in spec.aliases:
             return spec
     return None
+
+
+def _register_builtin() -> None:
+    from passes.checkpoint import checkpoint
+    from passes.inplace_activations import inplace_activations
+    from passes.reorder import reorder
+
+    register(PassSpec("inplace_activations", inplace_activations,
+                      "make activations in-place where autograd does not need the input",
+                      aliases=("inplace",)))
+    register(PassSpec("checkpoint", checkpoint,
+                      "recompute the cheapest regions in backward to fit a memory budget",
+                      default=False, aliases=("ckpt",)))
+    register(PassSpec("reorder", reorder,
+                      "memory-aware topological order (lowest predicted peak)"))
+
+
+_register_builtin()

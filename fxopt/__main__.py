@@ -1,0 +1,5 @@
+import sys
+
+from fxopt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,81 @@
+"""Turn a traced graph into the solver's abstract CheckpointProblem (analysis only, no edits).
+
+Values are storages: views and in-place results are folded into the node that owns the storage
+(its alias-class representative), so a tensor saved through a view is counted once. Parameters,
+buffers, constants and graph inputs never count: they are alive for the whole step anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from fxopt.analysis import alias_classes, saved_for_backward
+from fxopt.costmodel import node_costs
+from fxopt.meta import placeholder_values
+from fxopt.regions import call_region
+from fxopt.solver import CheckpointProblem, NodeInfo
+
+_CALL_OPS = ("call_function", "call_method", "call_module")
+
+
+def representatives(gm: fx.GraphModule) -> dict[fx.Node, fx.Node | None]:
+    """node -> the first node of its alias class; None for classes rooted at inputs or params."""
+    classes = alias_classes(gm)
+    first: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node in classes:
+            first.setdefault(classes[node], node)
+    rep: dict[fx.Node, fx.Node | None] = {}
+    for node in gm.graph.nodes:
+        root = first.get(classes[node], node) if node in classes else node
+        rep[node] = None if root.op in ("placeholder", "get_attr") else root
+    return rep
+
+
+def _storage_bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) else 0
+
+
+def _mutated(node: fx.Node) -> fx.Node | None:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    in_place = (isinstance(name, str) and name.endswith("_") and not name.startswith("_")) or (
+        node.kwargs.get("inplace") is True) or name in ("iadd", "isub", "imul", "itruediv")
+    if node.op == "call_module" or not in_place or not node.args:
+        return None
+    first = node.args[0]
+    return first if isinstance(first, fx.Node) else None
+
+
+def build_problem(gm: fx.GraphModule) -> tuple[CheckpointProblem, list[fx.Node]]:
+    """The solver's view of ``gm``, and the forward nodes in the order the problem lists them."""
+    rep = representatives(gm)
+    saved = saved_for_backward(gm, placeholder_values(gm))
+    costs = node_costs(gm)
+    forward = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
+    value_bytes: dict[str, int] = {}
+    for node in forward:
+        root = rep.get(node)
+        if root is not None and root is node and _storage_bytes(node):
+            value_bytes[node.name] = _storage_bytes(node)
+
+    def names(nodes) -> frozenset[str]:
+        return frozenset(rep[n].name for n in nodes
+                         if rep.get(n) is not None and rep[n].name in value_bytes)
+
+    infos = []
+    for node in forward:
+        info = saved.get(node)
+        mutated = _mutated(node)
+        infos.append(NodeInfo(
+            name=node.name,
+            seconds=costs[node].seconds if node in costs else 0.0,
+            saved=names(info.values) if info else frozenset(),
+            internal_bytes=info.internal_bytes if info else 0,
+            reads=names(node.all_input_nodes),
+            heavy=costs[node].heavy if node in costs else False,
+            recomputable=node.target is not call_region,
+            mutates=rep[mutated].name if mutated is not None and rep.get(mutated) else None,
+        ))
+    return CheckpointProblem(infos, value_bytes), forward

@@ -1,0 +1,192 @@
+"""Activation checkpointing under a memory budget, planned by fxopt.solver.
+
+``checkpoint(gm, budget=...)`` picks regions of the forward to recompute in backward so that the
+predicted peak of a training step stays at or under ``budget`` with the least recompute time,
+and rewrites each region into a call of a ``CheckpointedRegion`` (non-reentrant
+``torch.utils.checkpoint`` with RNG replay, selective recomputation that keeps conv/matmul
+outputs where the plan says so, and BatchNorm buffers restored after recomputation).
+
+Budget: bytes (int), a size string ("2GiB", "300MB"), or a fraction 0 < f <= 1 of the
+unoptimized *activation memory* (the predicted peak minus parameters, buffers, inputs and
+parameter gradients): budget = peak - (1 - f) * activations.
+
+Prediction: the solver's model is checked against ``estimate_peak`` (a fake-tensor run of the
+rewritten forward *and* backward, recomputation included); when the model was optimistic the
+budget given to the solver is lowered by the overshoot and the plan re-solved, so the predicted
+peak never exceeds the budget. An impossible budget raises ``BudgetError`` with the smallest peak
+this pass can reach.
+
+Not handled: regions across opaque leaf modules that mutate their inputs, and graphs already
+containing checkpointed regions (left as they are: the pass is idempotent).
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any
+
+from torch import fx
+
+from fxopt.analysis import estimate_peak
+from fxopt.budget import parse_budget
+from fxopt.checkpoint_problem import build_problem
+from fxopt.errors import BudgetError
+from fxopt.meta import placeholder_values, refresh_meta
+from fxopt.pass_base import PassResult, mark_new
+from fxopt.regions import CheckpointedRegion, call_region
+from fxopt.solver import SELECTIVE, CheckpointPlan, plan_checkpoints
+
+PASS_NAME = "checkpoint"
+_MAX_ROUNDS = 6
+
+
+def _param_grad_bytes(gm: fx.GraphModule) -> int:
+    return sum(p.numel() * p.element_size() for p in gm.parameters() if p.requires_grad)
+
+
+def _budget_bytes(gm: fx.GraphModule, budget: Any, peak: int, baseline: int) -> int:
+    kind, value = parse_budget(budget)
+    if kind == "bytes":
+        return int(value)
+    activations = max(peak - baseline - _param_grad_bytes(gm), 0)
+    return int(peak - (1 - value) * activations)
+
+
+def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan) -> list[dict]:
+    """Rewrite each planned region of ``gm`` into a checkpointed call; returns one record each."""
+    records = []
+    existing = sum(1 for name in vars(gm) if name.startswith("_fxopt_region_"))
+    for number, region in enumerate(plan.regions, start=existing):
+        nodes = forward[region.start:region.stop]
+        name = f"_fxopt_region_{number}"
+        body = _extract_body(gm, nodes)
+        setattr(gm, name, CheckpointedRegion(body, selective=region.mode == SELECTIVE))
+        _replace_with_call(gm, nodes, name)
+        records.append({"region": name, "first": nodes[0].name, "last": nodes[-1].name,
+                        "nodes": len(nodes), "mode": region.mode,
+                        "predicted_extra_ms": round(region.extra_seconds * 1e3, 3)})
+    return records
+
+
+def _region_io(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg not in inside and arg.op != "get_attr" and arg not in inputs:
+                inputs.append(arg)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    return inputs, outputs
+
+
+def _extract_body(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
+    inputs, outputs = _region_io(nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for value in inputs:
+        env[value] = graph.placeholder(value.name)
+        env[value].meta = dict(value.meta)
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr" and arg not in env:
+                env[arg] = graph.node_copy(arg)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    result = tuple(env[o] for o in outputs)
+    graph.output(result[0] if len(result) == 1 else result)
+    return fx.GraphModule(gm, graph, class_name="CheckpointedBody")
+
+
+def _replace_with_call(gm: fx.GraphModule, nodes: list[fx.Node], attr: str) -> None:
+    inputs, outputs = _region_io(nodes)
+    graph = gm.graph
+    with graph.inserting_before(nodes[0]):
+        region = mark_new(graph.get_attr(attr), PASS_NAME)
+        call = mark_new(graph.call_function(call_region, (region, *inputs)), PASS_NAME)
+    if len(outputs) == 1:
+        outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in nodes)
+    else:
+        for index, out in enumerate(outputs):
+            with graph.inserting_after(call):
+                item = mark_new(graph.call_function(operator.getitem, (call, index)), PASS_NAME)
+            out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in nodes)
+    for node in reversed(nodes):
+        graph.erase_node(node)
+
+
+def _already_checkpointed(gm: fx.GraphModule) -> bool:
+    return any(n.target is call_region for n in gm.graph.nodes)
+
+
+def _predict(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan) -> int:
+    """Predicted train peak of ``gm`` with ``plan`` applied (on a copy; ``gm`` is untouched)."""
+    mapping: dict[fx.Node, fx.Node] = {}
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, mapping))
+    candidate = fx.GraphModule(gm, graph)
+    apply_plan(candidate, [mapping[n] for n in forward], plan)
+    candidate.recompile()
+    return estimate_peak(candidate, placeholder_values(gm)).train_bytes
+
+
+def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
+               max_region_atoms: int = 16) -> PassResult:
+    """Recompute the cheapest regions in backward so the predicted train peak fits ``budget``."""
+    if _already_checkpointed(gm):
+        return PassResult(gm, False, {"reason": "graph already has checkpointed regions"})
+    started = time.perf_counter()
+    estimate = estimate_peak(gm, placeholder_values(gm))
+    peak = estimate.train_bytes
+    target = _budget_bytes(gm, budget, peak, estimate.baseline_bytes)
+    stats: dict[str, Any] = {"budget_bytes": target, "predicted_before": peak}
+    if peak <= target:
+        stats["predicted_after"] = peak
+        return PassResult(gm, False, stats)
+    problem, forward = build_problem(gm)
+    kept = problem.kept_without_checkpointing()
+    overhead = peak - kept
+    solver_budget = target - overhead
+    best: tuple[int, CheckpointPlan] | None = None
+    for _round in range(_MAX_ROUNDS):
+        plan = plan_checkpoints(problem, solver_budget, max_region_atoms=max_region_atoms)
+        if plan is None:
+            break
+        predicted = _predict(gm, forward, plan)
+        if best is None or predicted < best[0]:
+            best = (predicted, plan)
+        if predicted <= target:
+            break
+        solver_budget -= predicted - target
+    if best is None or best[0] > target:
+        smallest = _smallest_peak(gm, problem, forward, max_region_atoms)
+        raise BudgetError(
+            f"memory budget {target:,} bytes cannot be met: the smallest predicted training "
+            f"peak this pass reaches is {smallest:,} bytes (unoptimized: {peak:,})",
+            where=f"checkpoint pass, budget={budget!r}",
+            hint=f"raise the budget to at least {smallest:,} bytes, or lower the batch size",
+        )
+    predicted, plan = best
+    stats["regions"] = apply_plan(gm, forward, plan)
+    refresh_meta(gm)
+    stats.update({"predicted_after": predicted, "regions_count": len(plan.regions),
+                  "predicted_extra_ms": round(plan.extra_seconds * 1e3, 3),
+                  "solver_seconds": round(plan.solve_seconds, 3),
+                  "seconds": round(time.perf_counter() - started, 3)})
+    return PassResult(gm, True, stats)
+
+
+def _smallest_peak(gm: fx.GraphModule, problem, forward, max_region_atoms: int) -> int:
+    """Predicted peak of the least-memory plan the solver finds (binary search on its budget)."""
+    low, high = 0, problem.kept_without_checkpointing()
+    best_plan = None
+    for _ in range(12):
+        middle = (low + high) // 2
+        plan = plan_checkpoints(problem, middle, max_region_atoms=max_region_atoms)
+        if plan is None:
+            low = middle + 1
+        else:
+            best_plan, high = plan, middle
+    if best_plan is None:
+        return estimate_peak(gm, placeholder_values(gm)).train_bytes
+    return _predict(gm, forward, best_plan)

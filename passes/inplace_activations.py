@@ -1,0 +1,211 @@
+"""Make activations in-place where that is safe and actually saves memory.
+
+Rewrites ReLU, ReLU6, LeakyReLU, Hardtanh, ELU, SELU, CELU, SiLU, Hardswish, Hardsigmoid and
+Mish -- module calls, ``F.relu(x)``, ``torch.relu(x)``, ``x.relu()`` -- to their in-place form,
+at one call site at a time (a module object used at several call sites is never flipped; the call
+site becomes ``F.<act>(x, ..., inplace=True)`` and the module is left alone, hooks included).
+
+A call site is rewritten only when all of these hold:
+
+- its input is computed inside the graph: not a graph input, parameter, buffer or constant, nor a
+  view of one (decided from storage identity of the fake tensors in ``meta["val"]``);
+- no other node reads the input, or any alias of it, after this one;
+- ``train=True`` (default): no other node's backward needs the overwritten value (the saved
+  tensor analysis, obtained from autograd itself), and the in-place form's own backward saves only
+  its result -- asked of autograd once per (op, options): ``hardtanh_``, ``silu_``, ``mish_``,
+  ``hardswish_`` and ``hardsigmoid_`` save a *copy* of their input, so in-place would save nothing,
+  and ``leaky_relu_``/``elu_`` with a negative slope cannot run backward at all; those stay.
+- ``train=False`` is the looser inference rule: the model is only valid under ``torch.no_grad()``
+  or ``eval`` use without backward; autograd raises (never silently miscomputes) if it is trained.
+
+Not handled: activations inside opaque leaf modules, and user modules subclassing the listed
+ones (their forward may differ), and modules with hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from fxopt.analysis import alias_classes, saved_for_backward
+from fxopt.meta import placeholder_values, refresh_meta
+from fxopt.pass_base import PassResult, mark_new
+
+PASS_NAME = "inplace_activations"
+
+# module type -> (functional form, the module attributes it takes as positional args after x)
+_MODULE_FORMS: dict[type, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
+    nn.ReLU: (F.relu, ()),
+    nn.ReLU6: (F.relu6, ()),
+    nn.LeakyReLU: (F.leaky_relu, ("negative_slope",)),
+    nn.Hardtanh: (F.hardtanh, ("min_val", "max_val")),
+    nn.ELU: (F.elu, ("alpha",)),
+    nn.SELU: (F.selu, ()),
+    nn.CELU: (F.celu, ("alpha",)),
+    nn.SiLU: (F.silu, ()),
+    nn.Hardswish: (F.hardswish, ()),
+    nn.Hardsigmoid: (F.hardsigmoid, ()),
+    nn.Mish: (F.mish, ()),
+}
+_FUNCTIONAL = {form for form, _ in _MODULE_FORMS.values()}
+_TORCH_TO_INPLACE = {torch.relu: torch.relu_, torch.selu: torch.selu_, torch.celu: torch.celu_}
+_METHODS = {"relu", "selu", "celu"}
+
+
+def _rewrite_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Callable, tuple, dict] | None:
+    """The in-place call (target, args, kwargs) equivalent to ``node``, or None if not an activation."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        form = _MODULE_FORMS.get(type(module))
+        if form is None or getattr(module, "inplace", False) or _has_hooks(module) or node.kwargs:
+            return None
+        fn, attrs = form
+        return fn, (node.args[0], *(getattr(module, a) for a in attrs)), {"inplace": True}
+    if node.op == "call_function" and node.target in _FUNCTIONAL:
+        if _bound_arg(node, "inplace", node.target) is True:
+            return None
+        kwargs = dict(node.kwargs)
+        kwargs["inplace"] = True
+        positional = _positional_without_inplace(node)
+        return node.target, positional, kwargs
+    if node.op == "call_function" and node.target in _TORCH_TO_INPLACE:
+        return _TORCH_TO_INPLACE[node.target], node.args, dict(node.kwargs)
+    if node.op == "call_method" and node.target in _METHODS:
+        return operator.methodcaller(node.target + "_"), node.args, dict(node.kwargs)
+    return None
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+
+
+def _bound_arg(node: fx.Node, name: str, fn: Callable) -> Any:
+    try:
+        bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return None
+    return bound.arguments.get(name)
+
+
+def _positional_without_inplace(node: fx.Node) -> tuple:
+    params = list(inspect.signature(node.target).parameters)
+    if "inplace" in params and len(node.args) > params.index("inplace"):
+        return tuple(node.args[: params.index("inplace")]) + tuple(
+            node.args[params.index("inplace") + 1:])
+    return tuple(node.args)
+
+
+@functools.cache
+def _inplace_backward_saves_only_result(target: Any, const_args: tuple, kwargs: tuple) -> bool:
+    """Ask autograd: does the in-place form save only its (overwritten) input, and run backward?"""
+    leaf = torch.randn(8, requires_grad=True)
+    x = leaf * 1.0
+    saved_storages = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved_storages.append(t.untyped_storage().data_ptr())
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = _call(target, (x, *const_args), dict(kwargs))
+        out.sum().backward()
+    except RuntimeError:
+        return False
+    return all(ptr == x.untyped_storage().data_ptr() for ptr in saved_storages)
+
+
+def _call(target: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    if isinstance(target, operator.methodcaller):
+        return target(args[0])
+    return target(*args, **kwargs)
+
+
+def _safe(node: fx.Node, source: fx.Node, order: dict[fx.Node, int], aliases: dict[fx.Node, int],
+          saved_by: dict[fx.Node, set[fx.Node]], train: bool) -> str | None:
+    """Why ``node`` may not overwrite ``source`` (None when it may)."""
+    if source.op in ("placeholder", "get_attr"):
+        return "input is a graph input or parameter"
+    cls = aliases.get(source)
+    group = [n for n, c in aliases.items() if c == cls] if cls is not None else [source]
+    if any(n.op in ("placeholder", "get_attr") for n in group):
+        return "input is a view of a graph input or parameter"
+    for member in group:
+        for user in member.users:
+            if user is not node and order[user] > order[node]:
+                return f"input is used later by {user.name}"
+    if train:
+        for member in group:
+            readers = saved_by.get(member, set()) - {node}
+            if readers:
+                return f"backward of {sorted(r.name for r in readers)[0]} needs the input"
+    return None
+
+
+def inplace_activations(gm: fx.GraphModule, *, train: bool = True) -> PassResult:
+    """Rewrite safe activation call sites to in-place; see the module docstring for the rules."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    aliases = alias_classes(gm)
+    saved_by = _saved_by(gm) if train else {}
+    rewritten, skipped = [], {}
+    for node in list(gm.graph.nodes):
+        rewrite = _rewrite_of(gm, node)
+        if rewrite is None or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        target, args, kwargs = rewrite
+        source = node.args[0]
+        why_not = _safe(node, source, order, aliases, saved_by, train)
+        if why_not is None and train and not _inplace_backward_saves_only_result(
+            target, tuple(args[1:]), tuple(sorted(kwargs.items()))
+        ):
+            why_not = "in-place backward would save a copy of the input (no memory saved)"
+        if why_not:
+            skipped[node.name] = why_not
+            continue
+        if isinstance(target, operator.methodcaller):
+            with gm.graph.inserting_after(node):
+                new = gm.graph.call_method(node.target + "_", tuple(args), kwargs)
+        else:
+            with gm.graph.inserting_after(node):
+                new = gm.graph.call_function(target, tuple(args), kwargs)
+        new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+        mark_new(new, PASS_NAME)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        _record_rewrite(node, new, source, order, aliases, saved_by)
+        rewritten.append(new.name)
+    if rewritten:
+        gm.recompile()
+        refresh_meta(gm)
+    return PassResult(gm, bool(rewritten), {"rewritten": len(rewritten), "sites": rewritten,
+                                             "skipped": skipped})
+
+
+def _record_rewrite(old: fx.Node, new: fx.Node, source: fx.Node, order: dict, aliases: dict,
+                    saved_by: dict) -> None:
+    """Keep the analyses true after ``old`` became ``new``, which overwrites (aliases) its input."""
+    order[new] = order.pop(old)
+    aliases[new] = aliases.setdefault(source, -1 - len(aliases))
+    aliases.pop(old, None)
+    for readers in saved_by.values():
+        if old in readers:
+            readers.discard(old)
+            readers.add(new)
+    if old in saved_by:
+        saved_by[new] = saved_by.pop(old)
+
+
+def _saved_by(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]]:
+    """value node -> the nodes whose backward saves (an alias of) that value."""
+    readers: dict[fx.Node, set[fx.Node]] = {}
+    for node, info in saved_for_backward(gm, placeholder_values(gm)).items():
+        for value in info.values:
+            readers.setdefault(value, set()).add(node)
+    return readers

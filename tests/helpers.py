@@ -1,0 +1,93 @@
+"""check_pass(): the standard per-pass test, and a compact golden form of a graph."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxopt.lint import graph_problems, snapshot
+from fxopt.measure import measure_train_step
+from fxopt.pass_base import PassResult
+from fxopt.trace import trace
+from fxopt.verify import verify
+
+
+def _describe_target(gm: fx.GraphModule, node: fx.Node) -> str:
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        flag = "(inplace)" if getattr(module, "inplace", False) else ""
+        return f"{node.target}:{type(module).__name__}{flag}"
+    if node.op == "call_method":
+        return f".{node.target}"
+    if node.op == "get_attr":
+        return f"@{node.target}"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _describe_arg(arg: Any) -> str:
+    if isinstance(arg, fx.Node):
+        return arg.name
+    if isinstance(arg, (tuple, list)):
+        inner = ", ".join(_describe_arg(a) for a in arg)
+        return f"[{inner}]"
+    return repr(arg)
+
+
+def compact(gm: fx.GraphModule) -> str:
+    """One line per node, ``name = target(args)``: stable enough to compare against goldens."""
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            lines.append(f"{node.name} = input")
+        elif node.op == "output":
+            lines.append(f"return {_describe_arg(node.args[0])}")
+        else:
+            args = [_describe_arg(a) for a in node.args]
+            args += [f"{k}={_describe_arg(v)}" for k, v in node.kwargs.items()]
+            lines.append(f"{node.name} = {_describe_target(gm, node)}({', '.join(args)})")
+    return "\n".join(lines)
+
+
+def _dedent(text: str) -> str:
+    return "\n".join(line.strip() for line in text.strip().splitlines())
+
+
+def check_pass(
+    model: nn.Module,
+    example_inputs: tuple,
+    pass_fn: Any,
+    *,
+    options: dict[str, Any] | None = None,
+    golden_before: str | None = None,
+    golden_after: str | None = None,
+    expect_modified: bool = True,
+    memory_not_worse: bool = True,
+) -> tuple[fx.GraphModule, PassResult]:
+    """Golden before -> pass -> lint -> golden after -> idempotent -> numerics -> memory."""
+    options = options or {}
+    gm = trace(model, example_inputs)
+    if golden_before is not None:
+        assert compact(gm) == _dedent(golden_before), compact(gm)
+    before = snapshot(gm)
+    result = pass_fn(gm, **options)
+    assert result.graph_module is gm
+    assert result.modified is expect_modified, result.stats
+    gm.recompile()
+    assert graph_problems(gm, before) == []
+    if not expect_modified:
+        assert gm.code == before.code
+    if golden_after is not None:
+        assert compact(gm) == _dedent(golden_after), compact(gm)
+    code_after_first = gm.code
+    second = pass_fn(gm, **options)
+    assert second.modified is False, f"second run changed the graph: {second.stats}"
+    assert gm.code == code_after_first
+    report = verify(model, gm, example_inputs)
+    assert report.ok, str(report)
+    if memory_not_worse:
+        reference = trace(model, example_inputs)
+        assert measure_train_step(gm, example_inputs).peak_bytes <= measure_train_step(
+            reference, example_inputs).peak_bytes
+    return gm, result
