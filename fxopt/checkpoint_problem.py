@@ -48,6 +48,31 @@ def _mutated(node: fx.Node) -> fx.Node | None:
     return first if isinstance(first, fx.Node) else None
 
 
+def _first_use_grad_bytes(gm: fx.GraphModule, forward: list[fx.Node]) -> dict[fx.Node, int]:
+    """Bytes of trainable parameter gradients, charged to the first node that uses each."""
+    seen: set[int] = set()
+    charged: dict[fx.Node, int] = {}
+    for node in forward:
+        params = []
+        if node.op == "call_module":
+            params = list(gm.get_submodule(node.target).parameters())
+        params += [gm.get_parameter(a.target) for a in node.all_input_nodes
+                   if a.op == "get_attr" and _is_parameter(gm, a.target)]
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                charged[node] = charged.get(node, 0) + p.numel() * p.element_size()
+    return charged
+
+
+def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
+
+
 def build_problem(gm: fx.GraphModule) -> tuple[CheckpointProblem, list[fx.Node]]:
     """The solver's view of ``gm``, and the forward nodes in the order the problem lists them."""
     rep = representatives(gm)
@@ -64,6 +89,7 @@ def build_problem(gm: fx.GraphModule) -> tuple[CheckpointProblem, list[fx.Node]]
         return frozenset(rep[n].name for n in nodes
                          if rep.get(n) is not None and rep[n].name in value_bytes)
 
+    grads = _first_use_grad_bytes(gm, forward)
     infos = []
     for node in forward:
         info = saved.get(node)
@@ -77,5 +103,6 @@ def build_problem(gm: fx.GraphModule) -> tuple[CheckpointProblem, list[fx.Node]]
             heavy=costs[node].heavy if node in costs else False,
             recomputable=node.target is not call_region,
             mutates=rep[mutated].name if mutated is not None and rep.get(mutated) else None,
+            grad_bytes=grads.get(node, 0),
         ))
     return CheckpointProblem(infos, value_bytes), forward

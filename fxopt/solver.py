@@ -10,9 +10,10 @@ either run normally, or recomputed in backward *fully* (only the region's inputs
 *selectively* (inputs plus the outputs of its heavy ops are kept; only cheap, memory-bound ops --
 BatchNorm, activations, adds, dropout by RNG replay -- are recomputed). Memory is the size of the
 *union* of kept values (a value saved by a normal node and also read by a later region counts
-once), and it is checked where the peak really is: at the end of forward (everything kept) and
-during each region's recomputation in backward, when the values kept *before* the region are
-still alive, later ones already freed, and the region's own saved tensors are rebuilt.
+once), and it is checked where the peak really is: at the end of forward (everything kept), and
+in backward as it reaches each node, when the values kept *before* it are still alive, later
+ones already freed, the gradients of every parameter after it allocated, and -- for a region --
+its own saved tensors rebuilt.
 Extra time is the summed forward cost of the recomputed ops.
 
 Algorithm. Dynamic programming over atom boundaries (the Chen/Rotor family), with memory as a
@@ -51,6 +52,7 @@ class NodeInfo:
     heavy: bool = False                  # conv/matmul: kept by selective recompute
     recomputable: bool = True            # False for nodes that must never run twice
     mutates: str | None = None           # value this node overwrites in place, if any
+    grad_bytes: int = 0                  # parameter gradients this node's backward allocates
 
 
 @dataclass
@@ -60,6 +62,14 @@ class CheckpointProblem:
 
     def kept_without_checkpointing(self) -> int:
         return modelled_bytes(self, CheckpointPlan())
+
+    def grads_from(self) -> list[int]:
+        """grads_from()[i]: parameter-gradient bytes alive once backward has reached node i."""
+        total, out = 0, [0] * (len(self.nodes) + 1)
+        for i in range(len(self.nodes) - 1, -1, -1):
+            total += self.nodes[i].grad_bytes
+            out[i] = total
+        return out
 
 
 @dataclass(frozen=True)
@@ -231,6 +241,7 @@ class _Search:
         self.long_lived, self.index, self.unit, self.buckets = long_lived, index, unit, buckets
         self.tables: list[dict[frozenset[str], _Table]] = [dict() for _ in pending]
         self.arcs: list[tuple[_Arc, int, frozenset[str]]] = []
+        self.grads_from = problem.grads_from()
 
     def open(self, k: int, state: frozenset[str]) -> _Table:
         if state not in self.tables[k]:
@@ -248,10 +259,9 @@ class _Search:
         # long-lived values are charged once, by the arc that produces them
         charge += sum(values[v] for v in self.long_lived if arc.lo <= self.index[v] < arc.hi)
         step = int(round(charge / self.unit))
-        if arc.mode == NORMAL:
-            src = reachable[reachable + step <= self.buckets]
-        else:
-            src = reachable[reachable <= self.buckets - step - int(round(arc.working / self.unit))]
+        # In backward, when this arc is reached, the gradients of everything after it exist.
+        extra = int(round((arc.working + self.grads_from[arc.lo]) / self.unit))
+        src = reachable[reachable <= self.buckets - step - extra]
         if src.size == 0:
             return
         k2 = self.boundary_of[arc.hi]
@@ -287,6 +297,7 @@ def modelled_bytes(problem: CheckpointProblem, plan: CheckpointPlan) -> int:
     the nodes before it (and by itself) plus its recompute working set.
     """
     regions = {r.start: r for r in plan.regions}
+    grads_from = problem.grads_from()
     kept: set[str] = set()
     internal = 0
     peak = 0
@@ -297,11 +308,13 @@ def modelled_bytes(problem: CheckpointProblem, plan: CheckpointPlan) -> int:
             arc = _arc(problem, region.start, region.stop, region.mode)
             kept |= arc.keeps
             now = sum(problem.value_bytes[v] for v in kept) + internal
-            peak = max(peak, now + arc.working)
+            peak = max(peak, now + arc.working + grads_from[i])
             i = region.stop
         else:
             node = problem.nodes[i]
             kept |= node.saved & problem.value_bytes.keys()
             internal += node.internal_bytes
+            now = sum(problem.value_bytes[v] for v in kept) + internal
+            peak = max(peak, now + grads_from[i])
             i += 1
     return max(peak, sum(problem.value_bytes[v] for v in kept) + internal)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import operator
 import time
+import warnings
 from typing import Any
 
 from torch import fx
@@ -100,7 +101,9 @@ def _extract_body(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
 def _replace_with_call(gm: fx.GraphModule, nodes: list[fx.Node], attr: str) -> None:
     inputs, outputs = _region_io(nodes)
     graph = gm.graph
-    with graph.inserting_before(nodes[0]):
+    with graph.inserting_before(nodes[0]), warnings.catch_warnings():
+        # fx warns that a plain attribute is no submodule/parameter/buffer: deliberate here
+        warnings.simplefilter("ignore", UserWarning)
         region = mark_new(graph.get_attr(attr), PASS_NAME)
         call = mark_new(graph.call_function(call_region, (region, *inputs)), PASS_NAME)
     if len(outputs) == 1:
@@ -168,6 +171,7 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
         )
     predicted, plan = best
     stats["regions"] = apply_plan(gm, forward, plan)
+    gm.recompile()
     refresh_meta(gm)
     stats.update({"predicted_after": predicted, "regions_count": len(plan.regions),
                   "predicted_extra_ms": round(plan.extra_seconds * 1e3, 3),
