@@ -12,7 +12,8 @@ starts and restored when it ends, so after one training step ``running_mean``, `
 and ``num_batches_tracked`` equal the unoptimized model's exactly.
 
 ``selective=True`` keeps the outputs of convolutions and matmuls (selective activation
-checkpointing) so only the cheap, memory-bound ops are recomputed.
+checkpointing) so only the cheap, memory-bound ops are recomputed. Under autocast a selective
+region recomputes fully (correct, costs more time than planned).
 
 The region object is stored on the GraphModule as a plain attribute, not a submodule: the
 parameters it uses stay registered once, under their original names.
@@ -21,6 +22,7 @@ parameters it uses stay registered once, under their original names.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,8 +43,20 @@ HEAVY_ATEN_OPS = frozenset({
 })
 
 
+# Let saved-tensor hooks (save_on_cpu, fxopt's own saved-tensor analysis) see what SAC keeps,
+# where this torch supports choosing it.
+_SAC_HOOKS = ({"respect_saved_tensors_hooks": True}
+              if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+
+
 def _keep_heavy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in HEAVY_ATEN_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _autocast_on() -> bool:
+    """Under autocast the weight-cast cache makes recompute run casts forward skipped, which
+    selective checkpointing rejects; such regions recompute fully instead."""
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
 
 @contextlib.contextmanager
@@ -66,7 +80,7 @@ class CheckpointedRegion:
         self.selective = selective
 
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        if self.selective:
+        if self.selective and not _autocast_on():
             forward, recompute = create_selective_checkpoint_contexts(_keep_heavy)
         else:
             forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
@@ -81,7 +95,7 @@ class CheckpointedRegion:
         if not torch.is_grad_enabled():
             return self.body(*args)
         return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=self._contexts)
+                          context_fn=self._contexts, **_SAC_HOOKS)
 
     def __repr__(self) -> str:
         kind = "selective" if self.selective else "full"

@@ -128,11 +128,12 @@ def _fetch(module: nn.Module, target: str) -> Any:
     return module
 
 
-def _graph_module(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
-    """A GraphModule whose module tree *is* the shell's, so state_dict keys and order match.
+def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule whose module tree *is* ``shell``'s, so state_dict keys and order match.
 
-    fx would otherwise copy only the attributes the graph uses (dropping unused parameters) and
-    register tracer constants as buffers (adding state_dict keys).
+    fx would otherwise copy only the attributes the graph uses (dropping unused parameters, and
+    modules only reached through a checkpointed region) and register tracer constants as buffers
+    (adding state_dict keys). Plain attributes the graph reads stay plain attributes.
     """
     gm = fx.GraphModule(shell, graph, class_name=type(shell).__name__)
     constants = {n.target: _fetch(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
@@ -147,7 +148,7 @@ def _graph_module(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
         if not hasattr(owner, name):
             # A tracer-made constant: a plain attribute, not a buffer, so not in state_dict.
             object.__setattr__(owner, name, value)
-    gm.train(shell.training)
+    gm.training = shell.training  # submodules keep their own flags (a frozen BN stays in eval)
     return gm
 
 
@@ -184,7 +185,7 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
                 f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} "
                 f"({_user_frame(error)})",
             ))
-    gm = _graph_module(shell, graph)
+    gm = graph_module_like(shell, graph)
     propagate_meta(gm, args)
     info.seconds = time.perf_counter() - start
     gm.meta["fxopt_trace"] = info

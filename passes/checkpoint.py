@@ -36,6 +36,7 @@ from fxopt.errors import BudgetError
 from fxopt.meta import placeholder_values, refresh_meta
 from fxopt.pass_base import PassResult, mark_new
 from fxopt.regions import CheckpointedRegion, call_region
+from fxopt.trace import graph_module_like
 from fxopt.solver import SELECTIVE, CheckpointPlan, plan_checkpoints
 
 PASS_NAME = "checkpoint"
@@ -127,7 +128,7 @@ def _predict(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan) -
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen
     graph.output(graph.graph_copy(gm.graph, mapping))
-    candidate = fx.GraphModule(gm, graph)
+    candidate = graph_module_like(gm, graph)
     apply_plan(candidate, [mapping[n] for n in forward], plan)
     candidate.recompile()
     return estimate_peak(candidate, placeholder_values(gm)).train_bytes
@@ -162,12 +163,16 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
             break
         solver_budget -= predicted - target
     if best is None or best[0] > target:
-        smallest = _smallest_peak(gm, problem, forward, max_region_atoms)
+        smallest = _least_memory_plan(gm, problem, forward, max_region_atoms)
+        if smallest is not None and smallest[0] <= target:
+            best = smallest
+    if best is None or best[0] > target:
+        smallest_peak = smallest[0] if smallest else peak
         raise BudgetError(
             f"memory budget {target:,} bytes cannot be met: the smallest predicted training "
-            f"peak this pass reaches is {smallest:,} bytes (unoptimized: {peak:,})",
+            f"peak this pass reaches is {smallest_peak:,} bytes (unoptimized: {peak:,})",
             where=f"checkpoint pass, budget={budget!r}",
-            hint=f"raise the budget to at least {smallest:,} bytes, or lower the batch size",
+            hint=f"raise the budget to at least {smallest_peak:,} bytes, or lower the batch size",
         )
     predicted, plan = best
     stats["regions"] = apply_plan(gm, forward, plan)
@@ -180,8 +185,9 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     return PassResult(gm, True, stats)
 
 
-def _smallest_peak(gm: fx.GraphModule, problem, forward, max_region_atoms: int) -> int:
-    """Predicted peak of the least-memory plan the solver finds (binary search on its budget)."""
+def _least_memory_plan(gm: fx.GraphModule, problem, forward, max_region_atoms: int
+                       ) -> tuple[int, CheckpointPlan] | None:
+    """(predicted peak, plan) of the least-memory plan the solver finds (bisecting its budget)."""
     low, high = 0, problem.kept_without_checkpointing()
     best_plan = None
     for _ in range(12):
@@ -192,5 +198,5 @@ def _smallest_peak(gm: fx.GraphModule, problem, forward, max_region_atoms: int) 
         else:
             best_plan, high = plan, middle
     if best_plan is None:
-        return estimate_peak(gm, placeholder_values(gm)).train_bytes
-    return _predict(gm, forward, best_plan)
+        return None
+    return _predict(gm, forward, best_plan), best_plan

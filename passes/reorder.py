@@ -29,6 +29,7 @@ from torch import fx, nn
 from fxopt.analysis import alias_classes, estimate_peak, saved_for_backward
 from fxopt.meta import placeholder_values
 from fxopt.pass_base import PassResult
+from fxopt.trace import graph_module_like
 
 PASS_NAME = "reorder"
 
@@ -174,7 +175,7 @@ def reorder(gm: fx.GraphModule, *, train: bool = True) -> PassResult:
         if name != "original" and order == list(original_graph.nodes):
             continue
         graph = original_graph if name == "original" else _graph_in_order(original_graph, order)
-        candidate = fx.GraphModule(gm, graph)
+        candidate = graph_module_like(gm, graph)
         scores[name] = getattr(estimate_peak(candidate, inputs), objective)
         graphs[name] = graph
     best = min(scores, key=lambda k: (scores[k], k != "original"))
