@@ -203,8 +203,7 @@ def _solve(problem: CheckpointProblem, budget: int, max_region_atoms: int, bucke
         return frozenset(live[:_MAX_TRACKED_PENDING])
 
     pending = [pending_at(k) for k in range(len(starts) + 1)]
-    index = {n.name: i for i, n in enumerate(problem.nodes)}
-    search = _Search(problem, pending, boundary_of, long_lived, index, unit, buckets)
+    search = _Search(problem, pending, boundary_of, long_lived, unit, buckets)
     search.open(0, frozenset()).cost[0] = 0.0
     for k, arcs in enumerate(leaving[:-1]):
         for state, table in list(search.tables[k].items()):
@@ -236,9 +235,9 @@ class _Table:
 
 
 class _Search:
-    def __init__(self, problem, pending, boundary_of, long_lived, index, unit, buckets):
+    def __init__(self, problem, pending, boundary_of, long_lived, unit, buckets):
         self.problem, self.pending, self.boundary_of = problem, pending, boundary_of
-        self.long_lived, self.index, self.unit, self.buckets = long_lived, index, unit, buckets
+        self.long_lived, self.unit, self.buckets = long_lived, unit, buckets
         self.tables: list[dict[frozenset[str], _Table]] = [dict() for _ in pending]
         self.arcs: list[tuple[_Arc, int, frozenset[str]]] = []
         self.grads_from = problem.grads_from()
@@ -253,15 +252,9 @@ class _Search:
     def relax(self, arc: _Arc, k: int, state: frozenset[str], table: _Table,
               reachable: np.ndarray) -> None:
         """Extend every reachable memory level at (k, state) by ``arc``."""
-        values = self.problem.value_bytes
-        charge = arc.internal + sum(values[v] for v in arc.keeps
-                                    if v not in state and v not in self.long_lived)
-        # long-lived values are charged once, by the arc that produces them
-        charge += sum(values[v] for v in self.long_lived if arc.lo <= self.index[v] < arc.hi)
+        charge, need = self._charge(arc, state)
         step = int(round(charge / self.unit))
-        # In backward, when this arc is reached, the gradients of everything after it exist.
-        extra = int(round((arc.working + self.grads_from[arc.lo]) / self.unit))
-        src = reachable[reachable <= self.buckets - step - extra]
+        src = reachable[reachable <= self.buckets - int(round(need / self.unit))]
         if src.size == 0:
             return
         k2 = self.boundary_of[arc.hi]
@@ -275,6 +268,32 @@ class _Search:
         target.cost[dst[better]] = new_cost[better]
         target.from_bucket[dst[better]] = src[better]
         target.from_arc[dst[better]] = len(self.arcs) - 1
+
+    def _charge(self, arc: _Arc, state: frozenset[str]) -> tuple[int, int]:
+        """(bytes this arc adds to what is kept, the most it needs on top of what was kept).
+
+        In backward, when a node is reached the gradients of every parameter after it exist; a
+        region also needs its rebuilt working set. Long-lived values are charged once, by the
+        arc that produces them.
+        """
+        values = self.problem.value_bytes
+        if arc.mode != NORMAL:
+            charge = sum(values[v] for v in arc.keeps
+                         if v not in state and v not in self.long_lived)
+            charge += sum(values[n.name] for n in self.problem.nodes[arc.lo:arc.hi]
+                          if n.name in self.long_lived)
+            return charge, charge + arc.working + self.grads_from[arc.lo]
+        seen, charge, need = set(state), 0, 0
+        for i in range(arc.lo, arc.hi):
+            node = self.problem.nodes[i]
+            fresh = {v for v in node.saved if v in values and v not in seen
+                     and v not in self.long_lived}
+            if node.name in self.long_lived:
+                fresh.add(node.name)
+            seen |= fresh
+            charge += sum(values[v] for v in fresh) + node.internal_bytes
+            need = max(need, charge + self.grads_from[i])
+        return charge, need
 
     def trace_back(self, k: int, state: frozenset[str], m: int) -> list[Region]:
         regions = []

@@ -1,0 +1,115 @@
+"""fxopt.solver: optimal under its model (checked by brute force), union counting, speed."""
+
+import itertools
+import random
+import time
+
+import pytest
+
+from fxopt.solver import (
+    FULL,
+    NORMAL,
+    SELECTIVE,
+    CheckpointPlan,
+    CheckpointProblem,
+    NodeInfo,
+    Region,
+    _arc,
+    atom_starts,
+    modelled_bytes,
+    plan_checkpoints,
+)
+
+
+def chain(stages: int, rng: random.Random) -> CheckpointProblem:
+    """conv -> bn -> relu stages with random sizes and costs."""
+    nodes, sizes, prev = [], {}, None
+    for i in range(stages):
+        c, b, r = f"conv{i}", f"bn{i}", f"relu{i}"
+        reads = frozenset({prev}) if prev else frozenset()
+        nodes += [NodeInfo(c, rng.uniform(5, 20), saved=reads, reads=reads, heavy=True,
+                           grad_bytes=rng.choice([0, 40])),
+                  NodeInfo(b, rng.uniform(0.5, 2), saved=frozenset({c}), reads=frozenset({c}),
+                           internal_bytes=8),
+                  NodeInfo(r, rng.uniform(0.2, 1), saved=frozenset({r}), reads=frozenset({b}))]
+        sizes.update({c: rng.choice([64, 128, 256]), b: 0, r: rng.choice([64, 128, 256])})
+        sizes[b] = sizes[c]
+        prev = r
+    return CheckpointProblem(nodes, sizes)
+
+
+def all_plans(problem: CheckpointProblem):
+    bounds = atom_starts(problem) + [len(problem.nodes)]
+    n = len(bounds) - 1
+
+    def paths(k):
+        if k == n:
+            yield []
+            return
+        for rest in paths(k + 1):
+            yield [(k, k + 1, NORMAL)] + rest
+        for j in range(k + 1, n + 1):
+            for mode in (FULL, SELECTIVE):
+                for rest in paths(j):
+                    yield [(k, j, mode)] + rest
+
+    for path in paths(0):
+        regions = []
+        for a, b, mode in path:
+            if mode != NORMAL:
+                arc = _arc(problem, bounds[a], bounds[b], mode)
+                regions.append(Region(bounds[a], bounds[b], mode, arc.seconds, arc.working))
+        yield CheckpointPlan(regions=regions,
+                             extra_seconds=sum(r.extra_seconds for r in regions))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_matches_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    problem = chain(4, rng)
+    plans = [(p.extra_seconds, modelled_bytes(problem, p), p) for p in all_plans(problem)]
+    memories = sorted({m for _, m, _ in plans})
+    for budget in memories[:: max(1, len(memories) // 5)]:
+        best = min(cost for cost, m, _ in plans if m <= budget)
+        plan = plan_checkpoints(problem, budget, buckets=8192)
+        assert plan is not None
+        assert plan.kept_bytes == modelled_bytes(problem, plan) <= budget
+        # discretised memory may cost a little optimality; never more than 2%
+        assert plan.extra_seconds <= best * 1.02 + 1e-9, (budget, plan.extra_seconds, best)
+    assert plan_checkpoints(problem, memories[0] - 1, buckets=8192) is None
+
+
+def test_union_counts_a_value_kept_twice_once():
+    # x is read by two regions (a long skip): kept once, not twice.
+    nodes = [
+        NodeInfo("x", 1.0, heavy=True),
+        NodeInfo("a", 1.0, saved=frozenset({"x"}), reads=frozenset({"x"}), heavy=True),
+        NodeInfo("b", 1.0, saved=frozenset({"a"}), reads=frozenset({"a"}), heavy=True),
+        NodeInfo("c", 1.0, saved=frozenset({"b", "x"}), reads=frozenset({"b", "x"}), heavy=True),
+    ]
+    problem = CheckpointProblem(nodes, {"x": 100, "a": 10, "b": 10, "c": 10})
+    plan = CheckpointPlan(regions=[Region(1, 2, FULL, 1.0, 0), Region(3, 4, FULL, 1.0, 0)])
+    # kept: x (input of both regions: once, not twice), a (saved by b, run normally), b (input)
+    assert modelled_bytes(problem, plan) == 100 + 10 + 10
+
+
+def test_generous_budget_plans_nothing():
+    problem = chain(5, random.Random(1))
+    plan = plan_checkpoints(problem, problem.kept_without_checkpointing())
+    assert plan is not None and plan.empty
+
+
+def test_solver_time_on_resnet152_sized_graph():
+    import models_zoo
+    from fxopt.checkpoint_problem import build_problem
+    from fxopt.trace import trace
+
+    model, inputs = models_zoo.build("resnet152", 1)
+    problem, _forward = build_problem(trace(model, inputs))
+    assert len(problem.nodes) > 400
+    started = time.perf_counter()
+    for fraction in (0.7, 0.4):
+        plan_checkpoints(problem, int(problem.kept_without_checkpointing() * fraction))
+    per_solve = (time.perf_counter() - started) / 2
+    print(f"resnet152: {len(problem.nodes)} nodes, {per_solve:.2f} s per solve")
+    assert per_solve < 2.0
