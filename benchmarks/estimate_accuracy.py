@@ -1,0 +1,85 @@
+"""How close ``fxopt.analysis.estimate_peak`` (fake tensors, no compute) is to the measured peak.
+
+    python benchmarks/estimate_accuracy.py [--models a,b] [--batches 1,default] [--device cpu]
+                                           [--include-large]
+
+Prints, for every zoo model and batch size, the predicted and the measured peak of a training
+step and of inference, the error in percent, and the seconds each took. On CPU the measurement
+is exact live-storage tracking (``fxopt.measure``), the same accounting the estimate uses, so the
+error shows only what fake kernels do differently from real ones. On CUDA the measurement is the
+caching allocator's, which also counts rounding and kernel workspaces the estimate cannot see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+
+import torch
+
+import models_zoo
+from fxopt.analysis import estimate_peak
+from fxopt.measure import measure_inference, measure_train_step
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA)"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU {cpu}, {torch.get_num_threads()} threads"
+
+
+def batches_for(entry: models_zoo.ZooEntry, spec: list[str]) -> list[int]:
+    return sorted({entry.default_batch if b == "default" else int(b) for b in spec})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="", help="comma-separated zoo names (default: all)")
+    parser.add_argument("--batches", default="1,default",
+                        help="comma-separated batch sizes; 'default' is each model's own")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--include-large", action="store_true",
+                        help="also models tagged 'large' (resnet152)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    names = args.models.split(",") if args.models else [
+        n for n in models_zoo.names() if args.include_large or "large" not in models_zoo.get(n).tags]
+
+    print(f"estimate_peak vs measured peak; device: {device_name(device)}; torch {torch.__version__}; "
+          f"{datetime.date.today().isoformat()}")
+    print(f"{'model':<18} {'batch':>5} {'figure':<9} {'predicted':>13} {'measured':>13} "
+          f"{'error':>8} {'est s':>6} {'meas s':>6}")
+    worst = 0.0
+    for name in names:
+        entry = models_zoo.get(name)
+        for batch in batches_for(entry, args.batches.split(",")):
+            model = entry.build().to(device)
+            inputs = tuple(t.to(device) for t in entry.example_inputs(batch))
+            started = time.perf_counter()
+            estimate = estimate_peak(model, inputs)
+            estimate_seconds = time.perf_counter() - started
+            for figure, predicted, measure in (
+                    ("train", estimate.train_bytes, measure_train_step),
+                    ("inference", estimate.inference_bytes, measure_inference)):
+                started = time.perf_counter()
+                measured = measure(model, inputs).peak_bytes
+                measure_seconds = time.perf_counter() - started
+                error = 100 * (predicted - measured) / measured
+                worst = max(worst, abs(error))
+                print(f"{name:<18} {batch:>5} {figure:<9} {predicted:>13,} {measured:>13,} "
+                      f"{error:>+7.2f}% {estimate_seconds / 2:>6.2f} {measure_seconds:>6.2f}",
+                      flush=True)
+    print(f"worst |error|: {worst:.2f}%  (est s: half of one estimate_peak call, which "
+          "predicts both figures)")
+
+
+if __name__ == "__main__":
+    main()
