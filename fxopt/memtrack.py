@@ -3,9 +3,13 @@
 ``LiveStorageTracker`` sees every aten op that runs while it is active -- forward, autograd's
 backward ops (run on the calling thread on CPU), gradient accumulation -- and records each output
 storage it has not seen before with its size. A storage counts as freed once its StorageImpl is
-gone (``StorageWeakRef.expired()``), which is checked before every op, so frees caused by Python
-dropping the last reference between ops (FX's ``x = None`` after a last use, autograd releasing
-saved tensors) are seen at the next op. Views share their base's storage and in-place ops return
+gone (``StorageWeakRef.expired()``), so frees caused by Python dropping the last reference
+between ops (FX's ``x = None`` after a last use, autograd releasing saved tensors) are seen at the
+next op. Checking every live storage before every op would cost O(live) per op; since frees only
+lower the count, ``current_bytes`` between collections is an upper bound (it still counts frees
+not collected yet), and the tracker collects only when that bound passes the peak -- the peak is
+exact either way. With ``record_timeline=True``
+it collects before every op, so each timeline entry is exact too. Views share their base's storage and in-place ops return
 an existing storage, so neither is counted twice.
 
 It works the same on real CPU tensors and on FakeTensors (push the FakeTensorMode first, then the
@@ -84,13 +88,16 @@ class LiveStorageTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         self._live[key] = _Live(StorageWeakRef(storage), nbytes)
         self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:  # an upper bound until collected: make it exact
+            self._collect_freed()
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self.peak_op = op
             self._at_peak = frozenset(self._live)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self._collect_freed()
+        if self.record_timeline:
+            self._collect_freed()
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         # An output sharing an input's storage (a view, an in-place result) allocated nothing.
@@ -100,6 +107,7 @@ class LiveStorageTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and self._key(t.untyped_storage()) not in reused:
                 self._add(t, name)
         if self.record_timeline:
+            self._collect_freed()
             self.timeline.append((name, self.current_bytes))
         return out
 
