@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from torch import nn
+
 from fxopt.errors import ConfigError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -40,3 +42,32 @@ def parse_budget(budget: int | float | str) -> tuple[str, float]:
     if value <= 0:
         raise ConfigError(f"memory budget {budget!r} must be positive")
     return "bytes", value * _UNITS[unit or "b"]
+
+
+def trainable_grad_bytes(module: nn.Module) -> int:
+    """Bytes of the gradients a training step allocates for ``module``'s trainable parameters."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def activation_bytes(peak: int, baseline: int, grad_bytes: int) -> int:
+    """What a budget fraction is a fraction of: the training peak minus what no rewrite can
+    remove (parameters, buffers and inputs -- the baseline -- and parameter gradients)."""
+    return max(peak - baseline - grad_bytes, 0)
+
+
+def budget_bytes(budget: int | float | str, *, peak: int, activations: int) -> int:
+    """The budget in bytes; a fraction f keeps f of the activations: ``peak - (1 - f) * act``."""
+    kind, value = parse_budget(budget)
+    if kind == "bytes":
+        return int(value)
+    return int(peak - (1 - value) * activations)
+
+
+def budget_fraction(budget: int | float | str, *, peak: int, activations: int) -> float:
+    """The budget as a fraction of activation memory (clamped to [0, 1]), for tools taking one."""
+    kind, value = parse_budget(budget)
+    if kind == "fraction":
+        return value
+    if activations <= 0:
+        return 1.0
+    return min(max(1 - (peak - value) / activations, 0.0), 1.0)

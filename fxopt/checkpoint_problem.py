@@ -65,6 +65,38 @@ def _first_use_grad_bytes(gm: fx.GraphModule, forward: list[fx.Node]) -> dict[fx
     return charged
 
 
+def _grad_live_bytes(forward: list[fx.Node], rep: dict[fx.Node, fx.Node | None],
+                     value_bytes: dict[str, int]) -> list[int]:
+    """Per forward node: bytes of activation gradients alive while its backward runs.
+
+    A value's gradient exists in backward from the backward of its last reader down to the
+    backward of its producer: the same stretch of nodes over which the value lives in forward.
+    Counted per storage (views and in-place results share their base's), for values that
+    require grad.
+    """
+    index = {n: i for i, n in enumerate(forward)}
+    span: dict[fx.Node, list[int]] = {}
+    for node in forward:
+        root = rep.get(node)
+        if root is None or root.name not in value_bytes:
+            continue
+        val = root.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.requires_grad):
+            continue
+        readers = [index[u] for member in (node, root) for u in member.users if u in index]
+        first, last = span.setdefault(root, [index[root], index[root]])
+        span[root][1] = max([last, index[node], *readers])
+    delta = [0] * (len(forward) + 1)
+    for root, (first, last) in span.items():
+        delta[first] += value_bytes[root.name]
+        delta[last + 1] -= value_bytes[root.name]
+    live, running = [], 0
+    for change in delta[:-1]:
+        running += change
+        live.append(running)
+    return live
+
+
 def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
     try:
         gm.get_parameter(target)
@@ -90,8 +122,9 @@ def build_problem(gm: fx.GraphModule) -> tuple[CheckpointProblem, list[fx.Node]]
                          if rep.get(n) is not None and rep[n].name in value_bytes)
 
     grads = _first_use_grad_bytes(gm, forward)
+    grad_live = _grad_live_bytes(forward, rep, value_bytes)
     infos = []
-    for node in forward:
+    for i, node in enumerate(forward):
         info = saved.get(node)
         mutated = _mutated(node)
         infos.append(NodeInfo(
@@ -104,5 +137,6 @@ def build_problem(gm: fx.GraphModule) -> tuple[CheckpointProblem, list[fx.Node]]
             recomputable=node.target is not call_region,
             mutates=rep[mutated].name if mutated is not None and rep.get(mutated) else None,
             grad_bytes=grads.get(node, 0),
+            grad_live_bytes=grad_live[i],
         ))
     return CheckpointProblem(infos, value_bytes), forward

@@ -46,11 +46,22 @@ class Report:
             stats = ", ".join(f"{k}={v}" for k, v in record.stats.items() if not isinstance(v, (list, dict)))
             lines.append(f"  {record.name:<22} {'changed' if record.modified else 'unchanged':<9} "
                          f"{record.seconds * 1e3:7.1f} ms  {stats}")
+            lines.extend(_region_lines(record.stats.get("regions", [])))
         if self.memory_before and self.memory_after:
             lines.append(memory_table(self.memory_before, self.memory_after))
         if self.verification is not None:
             lines.append(f"  verification: {self.verification}")
         return "\n".join(lines)
+
+
+def _region_lines(regions: list[dict[str, Any]]) -> list[str]:
+    """One line per recomputed region: span, mode, predicted extra time and memory saved."""
+    return [
+        f"    {r['region']:<18} {r['mode']:<9} {r['nodes']:>3} nodes  {r['first']} .. {r['last']}: "
+        f"keeps {format_bytes(r['kept_bytes_saved'])} less, rebuilds "
+        f"{format_bytes(r['rebuilt_bytes'])} in backward, +{r['predicted_extra_ms']:.2f} ms predicted"
+        for r in regions if "kept_bytes_saved" in r
+    ]
 
 
 def _memory_dict(report: MemoryReport | None) -> dict[str, Any] | None:

@@ -12,7 +12,9 @@ BatchNorm, activations, adds, dropout by RNG replay -- are recomputed). Memory i
 *union* of kept values (a value saved by a normal node and also read by a later region counts
 once), and it is checked where the peak really is: at the end of forward (everything kept), and
 in backward as it reaches each node, when the values kept *before* it are still alive, later
-ones already freed, the gradients of every parameter after it allocated, and -- for a region --
+ones already freed, the gradients of every parameter after it allocated, the gradients of the
+activations in flight there (a value's gradient lives in backward over the same stretch of nodes
+as the value does in forward: from its last reader back to its producer), and -- for a region --
 its own saved tensors rebuilt.
 Extra time is the summed forward cost of the recomputed ops.
 
@@ -53,6 +55,7 @@ class NodeInfo:
     recomputable: bool = True            # False for nodes that must never run twice
     mutates: str | None = None           # value this node overwrites in place, if any
     grad_bytes: int = 0                  # parameter gradients this node's backward allocates
+    grad_live_bytes: int = 0             # activation gradients alive while its backward runs
 
 
 @dataclass
@@ -63,12 +66,14 @@ class CheckpointProblem:
     def kept_without_checkpointing(self) -> int:
         return modelled_bytes(self, CheckpointPlan())
 
-    def grads_from(self) -> list[int]:
-        """grads_from()[i]: parameter-gradient bytes alive once backward has reached node i."""
+    def backward_floor(self) -> list[int]:
+        """backward_floor()[i]: bytes alive when backward reaches node i whatever the plan: the
+        gradients of every parameter used at or after node i, and the activation gradients in
+        flight there."""
         total, out = 0, [0] * (len(self.nodes) + 1)
         for i in range(len(self.nodes) - 1, -1, -1):
             total += self.nodes[i].grad_bytes
-            out[i] = total
+            out[i] = total + self.nodes[i].grad_live_bytes
         return out
 
 
@@ -78,7 +83,9 @@ class Region:
     stop: int   # one past the last
     mode: str
     extra_seconds: float
-    recompute_bytes: int
+    recompute_bytes: int   # rebuilt in backward while the region is recomputed
+    freed_bytes: int = 0   # kept bytes the region saves: what its nodes would keep run normally,
+    #                        minus the inputs (and, if selective, heavy outputs) it keeps instead
 
 
 @dataclass
@@ -124,6 +131,11 @@ def _arc(problem: CheckpointProblem, lo: int, hi: int, mode: str) -> _Arc:
     working = sum(problem.value_bytes.get(v, 0) for v in rebuilt) + sum(
         n.internal_bytes for n in nodes)
     return _Arc(lo, hi, mode, seconds, working, frozenset(keeps), 0)
+
+
+def kept_by(problem: CheckpointProblem, arc: _Arc) -> int:
+    """Bytes ``arc`` keeps alive for backward (values and internal saved tensors)."""
+    return sum(problem.value_bytes[v] for v in arc.keeps) + arc.internal
 
 
 def _region_allowed(nodes: list[NodeInfo]) -> bool:
@@ -240,7 +252,7 @@ class _Search:
         self.long_lived, self.unit, self.buckets = long_lived, unit, buckets
         self.tables: list[dict[frozenset[str], _Table]] = [dict() for _ in pending]
         self.arcs: list[tuple[_Arc, int, frozenset[str]]] = []
-        self.grads_from = problem.grads_from()
+        self.floor = problem.backward_floor()
 
     def open(self, k: int, state: frozenset[str]) -> _Table:
         if state not in self.tables[k]:
@@ -272,8 +284,8 @@ class _Search:
     def _charge(self, arc: _Arc, state: frozenset[str]) -> tuple[int, int]:
         """(bytes this arc adds to what is kept, the most it needs on top of what was kept).
 
-        In backward, when a node is reached the gradients of every parameter after it exist; a
-        region also needs its rebuilt working set. Long-lived values are charged once, by the
+        In backward, when a node is reached the plan-independent floor (parameter gradients,
+        activation gradients in flight) is alive too; a region also needs its rebuilt working set. Long-lived values are charged once, by the
         arc that produces them.
         """
         values = self.problem.value_bytes
@@ -282,7 +294,7 @@ class _Search:
                          if v not in state and v not in self.long_lived)
             charge += sum(values[n.name] for n in self.problem.nodes[arc.lo:arc.hi]
                           if n.name in self.long_lived)
-            return charge, charge + arc.working + self.grads_from[arc.lo]
+            return charge, charge + arc.working + max(self.floor[arc.lo:arc.hi])
         seen, charge, need = set(state), 0, 0
         for i in range(arc.lo, arc.hi):
             node = self.problem.nodes[i]
@@ -292,7 +304,7 @@ class _Search:
                 fresh.add(node.name)
             seen |= fresh
             charge += sum(values[v] for v in fresh) + node.internal_bytes
-            need = max(need, charge + self.grads_from[i])
+            need = max(need, charge + self.floor[i])
         return charge, need
 
     def trace_back(self, k: int, state: frozenset[str], m: int) -> list[Region]:
@@ -305,7 +317,9 @@ class _Search:
             arc, k, state = self.arcs[arc_id]
             m = int(table.from_bucket[m])
             if arc.mode != NORMAL:
-                regions.append(Region(arc.lo, arc.hi, arc.mode, arc.seconds, arc.working))
+                normal = _arc(self.problem, arc.lo, arc.hi, NORMAL)
+                freed = kept_by(self.problem, normal) - kept_by(self.problem, arc)
+                regions.append(Region(arc.lo, arc.hi, arc.mode, arc.seconds, arc.working, freed))
         return sorted(regions, key=lambda r: r.start)
 
 
@@ -316,7 +330,7 @@ def modelled_bytes(problem: CheckpointProblem, plan: CheckpointPlan) -> int:
     the nodes before it (and by itself) plus its recompute working set.
     """
     regions = {r.start: r for r in plan.regions}
-    grads_from = problem.grads_from()
+    floor = problem.backward_floor()
     kept: set[str] = set()
     internal = 0
     peak = 0
@@ -327,13 +341,13 @@ def modelled_bytes(problem: CheckpointProblem, plan: CheckpointPlan) -> int:
             arc = _arc(problem, region.start, region.stop, region.mode)
             kept |= arc.keeps
             now = sum(problem.value_bytes[v] for v in kept) + internal
-            peak = max(peak, now + arc.working + grads_from[i])
+            peak = max(peak, now + arc.working + max(floor[region.start:region.stop]))
             i = region.stop
         else:
             node = problem.nodes[i]
             kept |= node.saved & problem.value_bytes.keys()
             internal += node.internal_bytes
             now = sum(problem.value_bytes[v] for v in kept) + internal
-            peak = max(peak, now + grads_from[i])
+            peak = max(peak, now + floor[i])
             i += 1
     return max(peak, sum(problem.value_bytes[v] for v in kept) + internal)

@@ -30,7 +30,7 @@ from typing import Any
 from torch import fx
 
 from fxopt.analysis import estimate_peak
-from fxopt.budget import parse_budget
+from fxopt.budget import activation_bytes, budget_bytes, trainable_grad_bytes
 from fxopt.checkpoint_problem import build_problem
 from fxopt.errors import BudgetError
 from fxopt.meta import placeholder_values, refresh_meta
@@ -38,21 +38,10 @@ from fxopt.pass_base import PassResult, mark_new
 from fxopt.regions import CheckpointedRegion, call_region
 from fxopt.trace import graph_module_like
 from fxopt.solver import SELECTIVE, CheckpointPlan, plan_checkpoints
+from fxopt.subgraph import extract_subgraph, region_io
 
 PASS_NAME = "checkpoint"
 _MAX_ROUNDS = 6
-
-
-def _param_grad_bytes(gm: fx.GraphModule) -> int:
-    return sum(p.numel() * p.element_size() for p in gm.parameters() if p.requires_grad)
-
-
-def _budget_bytes(gm: fx.GraphModule, budget: Any, peak: int, baseline: int) -> int:
-    kind, value = parse_budget(budget)
-    if kind == "bytes":
-        return int(value)
-    activations = max(peak - baseline - _param_grad_bytes(gm), 0)
-    return int(peak - (1 - value) * activations)
 
 
 def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan) -> list[dict]:
@@ -62,45 +51,19 @@ def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan)
     for number, region in enumerate(plan.regions, start=existing):
         nodes = forward[region.start:region.stop]
         name = f"_fxopt_region_{number}"
-        body = _extract_body(gm, nodes)
+        body = extract_subgraph(gm, nodes, class_name="CheckpointedBody")
         setattr(gm, name, CheckpointedRegion(body, selective=region.mode == SELECTIVE))
         _replace_with_call(gm, nodes, name)
         records.append({"region": name, "first": nodes[0].name, "last": nodes[-1].name,
                         "nodes": len(nodes), "mode": region.mode,
-                        "predicted_extra_ms": round(region.extra_seconds * 1e3, 3)})
+                        "predicted_extra_ms": round(region.extra_seconds * 1e3, 3),
+                        "kept_bytes_saved": region.freed_bytes,
+                        "rebuilt_bytes": region.recompute_bytes})
     return records
 
 
-def _region_io(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
-    inside = set(nodes)
-    inputs: list[fx.Node] = []
-    for node in nodes:
-        for arg in node.all_input_nodes:
-            if arg not in inside and arg.op != "get_attr" and arg not in inputs:
-                inputs.append(arg)
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-    return inputs, outputs
-
-
-def _extract_body(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
-    inputs, outputs = _region_io(nodes)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for value in inputs:
-        env[value] = graph.placeholder(value.name)
-        env[value].meta = dict(value.meta)
-    for node in nodes:
-        for arg in node.all_input_nodes:
-            if arg.op == "get_attr" and arg not in env:
-                env[arg] = graph.node_copy(arg)
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    result = tuple(env[o] for o in outputs)
-    graph.output(result[0] if len(result) == 1 else result)
-    return fx.GraphModule(gm, graph, class_name="CheckpointedBody")
-
-
 def _replace_with_call(gm: fx.GraphModule, nodes: list[fx.Node], attr: str) -> None:
-    inputs, outputs = _region_io(nodes)
+    inputs, outputs = region_io(nodes)
     graph = gm.graph
     with graph.inserting_before(nodes[0]), warnings.catch_warnings():
         # fx warns that a plain attribute is no submodule/parameter/buffer: deliberate here
@@ -142,7 +105,8 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     started = time.perf_counter()
     estimate = estimate_peak(gm, placeholder_values(gm))
     peak = estimate.train_bytes
-    target = _budget_bytes(gm, budget, peak, estimate.baseline_bytes)
+    activations = activation_bytes(peak, estimate.baseline_bytes, trainable_grad_bytes(gm))
+    target = budget_bytes(budget, peak=peak, activations=activations)
     stats: dict[str, Any] = {"budget_bytes": target, "predicted_before": peak}
     if peak <= target:
         stats["predicted_after"] = peak
@@ -168,12 +132,14 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
             best = smallest
     if best is None or best[0] > target:
         smallest_peak = smallest[0] if smallest else peak
-        raise BudgetError(
+        error = BudgetError(
             f"memory budget {target:,} bytes cannot be met: the smallest predicted training "
             f"peak this pass reaches is {smallest_peak:,} bytes (unoptimized: {peak:,})",
             where=f"checkpoint pass, budget={budget!r}",
             hint=f"raise the budget to at least {smallest_peak:,} bytes, or lower the batch size",
         )
+        error.smallest_bytes = smallest_peak
+        raise error
     predicted, plan = best
     stats["regions"] = apply_plan(gm, forward, plan)
     gm.recompile()
