@@ -1,0 +1,203 @@
+"""Checkpointing under a sweep of budgets: budget adherence, memory saved, time paid, vs peers.
+
+    python benchmarks/checkpoint_sweep.py [--models resnet50,densenet121,unet,transformer_block]
+        [--budgets 1.0,0.8,0.6,0.5,0.4,0.3,min] [--repeats 3] [--peers / --no-peers]
+        [--predict-only] [--device cpu]
+
+For each model, at a training-sized input, and each budget (a fraction of activation memory, or
+``min``: the smallest peak the pass can reach), it runs ``fxopt.optimize(memory_budget=...)`` and
+reports:
+
+- ``budget`` and ``measured``: the budget in bytes and the peak of one training step measured by
+  ``fxopt.measure`` (exact storage tracking on CPU, the caching allocator on CUDA), both including
+  parameters, buffers and inputs; ``over`` flags any overshoot (the target is zero);
+- ``act``: activation memory at the peak, allocator level (``fxopt.allocations``, the method that
+  also measures compiled peers): the step's peak above its start minus parameter gradients;
+  ``act x``: the unoptimized act over this one (2.5 means 2.5x less);
+- ``time x``: median step time over the original's, timed alternately in the same run;
+- ``equal``: verified against the original (outputs, gradients, BatchNorm buffers).
+
+Peers at the same fractions: ``torch.compile`` with the min-cut partitioner under
+``activation_memory_budget``, and ``checkpoint_sequential`` with sqrt(n) segments (one point: it
+has no budget). A peer point is *dominated* when some fxopt point has no more act and no more
+time. ``--predict-only`` prints only fxopt's plans and predicted peaks (no training steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+import models_zoo
+from fxopt.analysis import estimate_peak
+from fxopt.api import optimize
+from fxopt.bench import step_peak_bytes, timed_against
+from fxopt.budget import activation_bytes, trainable_grad_bytes
+from fxopt.errors import BudgetError
+from fxopt.measure import measure_train_step
+from fxopt.peers import build_peer
+from fxopt.trace import trace
+from fxopt.verify import verify
+
+# Inputs where activations, not weights, dominate a training step, yet a CPU step stays seconds.
+INPUTS = {
+    "resnet50": (8, 3, 128, 128),
+    "densenet121": (8, 3, 128, 128),
+    "unet": (8, 3, 128, 128),
+    "transformer_block": (256, 32, 64),
+}
+MiB = 2**20
+TARGETS = {"resnet50": (2.5, 1.15), "densenet121": (2.5, 1.20)}  # (act reduction, time ratio)
+
+
+@dataclass
+class Point:
+    method: str
+    fraction: str
+    budget_bytes: int | None
+    measured_bytes: int | None
+    act_bytes: int
+    time_ratio: float
+    equal: bool
+    note: str
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA)"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU {cpu}, {torch.get_num_threads()} threads"
+
+
+def smallest_budget(model, inputs) -> int:
+    try:
+        optimize(model, inputs, memory_budget=1, verify=False)
+    except BudgetError as error:
+        return error.smallest_bytes
+    raise AssertionError("a 1-byte budget was met")
+
+
+def run_model(name: str, fractions: list[str], args, device: torch.device
+              ) -> tuple[list[Point], int | None]:
+    model = models_zoo.get(name).build().to(device)
+    gen = torch.Generator().manual_seed(0)
+    example = models_zoo.get(name).example_inputs(1)[0]
+    inputs = (torch.randn(INPUTS[name], generator=gen).to(device=device, dtype=example.dtype),)
+    estimate = estimate_peak(trace(model, inputs), inputs)
+    grads = trainable_grad_bytes(model)
+    activations = activation_bytes(estimate.train_bytes, estimate.baseline_bytes, grads)
+    print(f"\n## {name}, input {'x'.join(map(str, INPUTS[name]))}: unoptimized peak "
+          f"{estimate.train_bytes / MiB:.1f} MiB = baseline {estimate.baseline_bytes / MiB:.1f} "
+          f"+ parameter grads {grads / MiB:.1f} + activations {activations / MiB:.1f} (predicted)",
+          flush=True)
+    header = (f"{'method':<24}{'budget':>7}{'budget MiB':>11}{'measured':>10}{'over':>6}"
+              f"{'act MiB':>9}{'act x':>7}{'time x':>8}  {'equal':<6}note")
+    print(header, flush=True)
+    original_act = None if args.predict_only else step_peak_bytes(model, inputs) - grads
+    points: list[Point] = []
+
+    def report(point: Point) -> None:
+        points.append(point)
+        over = "-" if point.budget_bytes is None or point.measured_bytes is None else (
+            "YES" if point.measured_bytes > point.budget_bytes else "no")
+        act_x = f"{original_act / point.act_bytes:.2f}" if original_act and point.act_bytes else "-"
+        budget = f"{point.budget_bytes / MiB:.1f}" if point.budget_bytes else "-"
+        measured = f"{point.measured_bytes / MiB:.1f}" if point.measured_bytes else "-"
+        act = f"{point.act_bytes / MiB:.1f}" if point.act_bytes else "-"
+        time_x = f"{point.time_ratio:.3f}" if point.time_ratio else "-"
+        print(f"{point.method:<24}{point.fraction:>7}{budget:>11}{measured:>10}{over:>6}"
+              f"{act:>9}{act_x:>7}{time_x:>8}  {'yes' if point.equal else 'NO':<6}{point.note}",
+              flush=True)
+
+    for fraction in fractions:
+        budget = smallest_budget(model, inputs) if fraction == "min" else float(fraction)
+        started = time.perf_counter()
+        try:
+            gm = optimize(model, inputs, memory_budget=budget, verify=not args.predict_only)
+        except BudgetError as error:
+            print(f"{'fxopt':<24}{fraction:>7}  infeasible: {str(error).splitlines()[0]}")
+            continue
+        seconds = time.perf_counter() - started
+        stats = next((r.stats for r in gm.fxopt_report.passes if r.name == "checkpoint"), {})
+        note = (f"{stats.get('regions_count', 0)} regions, predicted "
+                f"{stats.get('predicted_after', 0) / MiB:.1f} MiB, optimize {seconds:.1f} s")
+        if args.predict_only:
+            report(Point("fxopt", fraction, stats.get("budget_bytes"), None, 0, 0.0, True, note))
+            continue
+        measured = measure_train_step(gm, inputs).peak_bytes
+        act = step_peak_bytes(gm, inputs) - grads
+        ratio, base = timed_against(model, gm, inputs, args.repeats)
+        report(Point("fxopt", fraction, stats.get("budget_bytes"), measured, act, ratio / base,
+                     gm.fxopt_report.verification.ok, note))
+
+    if args.predict_only or not args.peers:
+        return points, original_act
+    peer_runs = [("checkpoint_sequential", "-", 1.0)] + [
+        ("torch_compile_min_cut", f, float(f)) for f in fractions if f != "min"]
+    for peer, label, value in peer_runs:
+        variant, note = build_peer(peer, model, inputs, value)
+        if variant is None:
+            print(f"{peer:<24}{label:>7}  unavailable: {note}")
+            continue
+        equal = verify(model, variant, inputs)
+        if not equal.ok:
+            worst = equal.worst()[0]
+            note += f"; differs: {worst.kind} {worst.name} (max abs {worst.max_abs_diff:.2g})"
+        act = step_peak_bytes(variant, inputs) - grads
+        ratio, base = timed_against(model, variant, inputs, args.repeats)
+        report(Point(peer, label, None, None, act, ratio / base, equal.ok, note))
+    return points, original_act
+
+
+def summarise(name: str, points: list[Point], original_act: float | None) -> None:
+    ours = [p for p in points if p.method == "fxopt" and p.act_bytes]
+    if not ours:
+        return
+    for peer in (p for p in points if p.method != "fxopt"):
+        better = [o for o in ours if o.act_bytes <= peer.act_bytes and o.time_ratio <= peer.time_ratio]
+        verdict = (f"dominated by fxopt@{better[0].fraction}" if better
+                   else "NOT dominated by any fxopt point")
+        print(f"  {peer.method}@{peer.fraction}: {verdict}")
+    if name in TARGETS and original_act:
+        reduction, time_limit = TARGETS[name]
+        within = [p for p in ours if p.time_ratio <= time_limit]
+        best = max((original_act / p.act_bytes for p in within), default=0.0)
+        print(f"  target: >= {reduction}x less activation memory at <= "
+              f"{(time_limit - 1) * 100:.0f}% extra time; best reached: {best:.2f}x "
+              f"-> {'met' if best >= reduction else 'NOT met'}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(INPUTS))
+    parser.add_argument("--budgets", default="1.0,0.8,0.6,0.5,0.4,0.3,min")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--predict-only", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(f"checkpoint sweep; device: {device_name(device)}; torch {torch.__version__}; "
+          f"{datetime.date.today().isoformat()}; command: {' '.join(sys.argv)}")
+    for name in args.models.split(","):
+        started = time.perf_counter()
+        points, original_act = run_model(name, args.budgets.split(","), args, device)
+        summarise(name, points, original_act)
+        print(f"  ({name}: {time.perf_counter() - started:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
