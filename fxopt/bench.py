@@ -81,9 +81,14 @@ def step_peak_bytes(module: nn.Module, inputs: tuple) -> int:
         return peak_allocated_during(lambda: training_step(module, inputs), device)
 
 
-def timed_against(original: nn.Module, variant: nn.Module, inputs: tuple, repeats: int
-                  ) -> tuple[float, float]:
-    """(median step seconds of ``variant``, of ``original``), timed alternately after a warm-up."""
+def timed_against(original: nn.Module, variant: nn.Module, inputs: tuple, repeats: int, *,
+                  min_seconds: float = 1.0, max_repeats: int = 200) -> tuple[float, float]:
+    """(median step seconds of ``variant``, of ``original``), timed alternately after a warm-up.
+
+    At least ``repeats`` rounds, and more (up to ``max_repeats``) until each side has run for
+    ``min_seconds`` in total: a millisecond step needs hundreds of samples to give a median that
+    a noisy machine does not move.
+    """
     device = _device(original, inputs)
     times: dict[int, list[float]] = {id(original): [], id(variant): []}
     with preserved_state(original, variant):
@@ -91,13 +96,16 @@ def timed_against(original: nn.Module, variant: nn.Module, inputs: tuple, repeat
         variant.train()
         for module in (original, variant):
             _step(module, inputs)
-        for _ in range(repeats):
-            for module in (original, variant):
+        rounds = 0
+        while rounds < repeats or (rounds < max_repeats and min(
+                sum(t) for t in times.values()) < min_seconds):
+            for module in (original, variant) if rounds % 2 == 0 else (variant, original):
                 _sync(device)
                 start = time.perf_counter()
                 _step(module, inputs)
                 _sync(device)
                 times[id(module)].append(time.perf_counter() - start)
+            rounds += 1
     return statistics.median(times[id(variant)]), statistics.median(times[id(original)])
 
 
