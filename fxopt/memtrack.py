@@ -16,6 +16,12 @@ It works the same on real CPU tensors and on FakeTensors (push the FakeTensorMod
 tracker): a fake storage has the size a real one would have, which is how ``fxopt.analysis``
 predicts the peak of a model without running it.
 
+On CUDA (real or fake tensors on a CUDA device) a storage counts as the block the caching
+allocator hands out for it: its size rounded up to a multiple of 512 bytes, as
+``torch.cuda.max_memory_allocated`` counts it with the allocator's default settings; so a
+prediction made on a machine without a GPU, on fake CUDA tensors, is in the allocator's units.
+Workspaces that cuBLAS/cuDNN allocate outside tensors are not seen.
+
 Storages that existed before the tracker started (parameters, buffers, inputs) are not counted,
 nor views of them: an op output that shares a storage with one of the op's inputs allocated
 nothing. ``fxopt.measure`` adds the pre-existing storages as the baseline.
@@ -30,6 +36,20 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+CUDA_BLOCK_BYTES = 512
+
+
+def allocated_bytes(t: torch.Tensor) -> int:
+    """Bytes the allocator hands out for ``t``'s storage: CUDA rounds up to 512-byte blocks.
+
+    The tensor's device decides (a fake tensor's storage is on ``meta`` whatever it stands for).
+    """
+    nbytes = t.untyped_storage().nbytes()
+    if t.device.type == "cuda":
+        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return nbytes
 
 
 @dataclass
@@ -85,7 +105,7 @@ class LiveStorageTracker(TorchDispatchMode):
             if not self._live[key].ref.expired():
                 return
             self.current_bytes -= self._live.pop(key).nbytes  # address reused after a free
-        nbytes = storage.nbytes()
+        nbytes = allocated_bytes(t)
         self._live[key] = _Live(StorageWeakRef(storage), nbytes)
         self.current_bytes += nbytes
         if self.current_bytes > self.peak_bytes:  # an upper bound until collected: make it exact
@@ -119,7 +139,7 @@ class LiveStorageTracker(TorchDispatchMode):
                 key = self._key(t.untyped_storage())
                 if key in self._at_peak and key not in seen:
                     seen.add(key)
-                    total += self._live[key].nbytes if key in self._live else t.untyped_storage().nbytes()
+                    total += self._live[key].nbytes if key in self._live else allocated_bytes(t)
         return total
 
     def __exit__(self, *exc: Any) -> Any:
