@@ -12,6 +12,7 @@ from torch import fx
 
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.costmodel import node_costs
+from fxopt.memtrack import allocated_bytes
 from fxopt.meta import placeholder_values
 from fxopt.regions import call_region
 from fxopt.solver import CheckpointProblem, NodeInfo
@@ -35,7 +36,7 @@ def representatives(gm: fx.GraphModule) -> dict[fx.Node, fx.Node | None]:
 
 def _storage_bytes(node: fx.Node) -> int:
     val = node.meta.get("val")
-    return val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) else 0
+    return allocated_bytes(val) if isinstance(val, torch.Tensor) else 0
 
 
 def _mutated(node: fx.Node) -> fx.Node | None:
