@@ -1,11 +1,12 @@
 """Checkpointing under a sweep of budgets: budget adherence, memory saved, time paid, vs peers.
 
     python benchmarks/checkpoint_sweep.py [--models resnet50,densenet121,unet,transformer_block]
-        [--budgets 1.0,0.8,0.6,0.5,0.4,0.3,min] [--repeats 3] [--peers / --no-peers]
+        [--budgets auto | 1.0,0.8,...,min] [--repeats 3] [--peers / --no-peers]
         [--predict-only] [--device cpu]
 
 For each model, at a training-sized input, and each budget (a fraction of activation memory, or
-``min``: the smallest peak the pass can reach), it runs ``fxopt.optimize(memory_budget=...)`` and
+``min``: the smallest peak the pass can reach; by default six fractions evenly spaced from 1.0 to
+the least-memory plan's, then ``min``), it runs ``fxopt.optimize(memory_budget=...)`` and
 reports:
 
 - ``budget`` and ``measured``: the budget in bytes and the peak of one training step measured by
@@ -38,7 +39,7 @@ import models_zoo
 from fxopt.analysis import estimate_peak
 from fxopt.api import optimize
 from fxopt.bench import step_peak_bytes, timed_against
-from fxopt.budget import activation_bytes, trainable_grad_bytes
+from fxopt.budget import activation_bytes, budget_fraction, trainable_grad_bytes
 from fxopt.errors import BudgetError
 from fxopt.measure import measure_train_step
 from fxopt.peers import build_peer
@@ -121,8 +122,13 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
               f"{act:>9}{act_x:>7}{time_x:>8}  {'yes' if point.equal else 'NO':<6}{point.note}",
               flush=True)
 
+    smallest = smallest_budget(model, inputs)
+    if fractions == ["auto"]:
+        lowest = budget_fraction(smallest, peak=estimate.train_bytes, activations=activations)
+        fractions = [f"{1 - (1 - lowest) * k / 6:.2f}" for k in range(6)] + ["min"]
+        print(f"(auto budgets: 1.0 down to the least-memory plan, fraction {lowest:.3f})")
     for fraction in fractions:
-        budget = smallest_budget(model, inputs) if fraction == "min" else float(fraction)
+        budget = smallest if fraction == "min" else float(fraction)
         started = time.perf_counter()
         try:
             gm = optimize(model, inputs, memory_budget=budget, verify=not args.predict_only)
@@ -182,7 +188,9 @@ def summarise(name: str, points: list[Point], original_act: float | None) -> Non
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(INPUTS))
-    parser.add_argument("--budgets", default="1.0,0.8,0.6,0.5,0.4,0.3,min")
+    parser.add_argument("--budgets", default="auto",
+                        help="comma-separated fractions and 'min', or 'auto': six fractions "
+                             "evenly from 1.0 to the least-memory plan's, and 'min'")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--predict-only", action="store_true")
