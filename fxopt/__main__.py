@@ -1,5 +1,8 @@
+"""``python -m fxopt``: the same as the ``fxopt`` console script."""
+
 import sys
 
 from fxopt.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

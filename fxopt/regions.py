@@ -99,7 +99,9 @@ class CheckpointedRegion:
 
     def __repr__(self) -> str:
         kind = "selective" if self.selective else "full"
-        return f"CheckpointedRegion({kind}, {len(self.body.graph.nodes)} nodes)"
+        graph = getattr(self.body, "graph", None)  # an exported body is plain generated code
+        size = f", {len(graph.nodes)} nodes" if graph is not None else ""
+        return f"CheckpointedRegion({kind}{size})"
 
 
 def call_region(region: CheckpointedRegion, *args: Any) -> Any:

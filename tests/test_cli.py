@@ -1,0 +1,225 @@
+"""The fxopt CLI: every subcommand in-process (main(argv) -> exit code), each entry point as a
+subprocess, exit codes 0/1/2/3, one-block errors without tracebacks, quiet progress when piped."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import passes as registry
+from fxopt import cli
+from fxopt.check import SCHEMA
+from fxopt.errors import ConfigError
+from fxopt.pass_base import PassResult, mark_new
+from fxopt.progress import Progress
+from fxopt.targets import DTYPES
+
+VENV_BIN = Path(sys.executable).parent
+TINY = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+"""
+
+
+def run(argv, capsys):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_optimize_prints_the_table_and_exports(tmp_path, capsys):
+    code, out, _ = run(["optimize", "zoo:mlp", "--out", str(tmp_path / "out"), "--repeats", "1"],
+                       capsys)
+    assert code == 0
+    for row in ("inplace_activations", "train peak, measured", "train peak, predicted",
+                "inference peak, measured", "train step, median of 1", "verification: equivalent",
+                "device: cpu", "loads with torch only"):
+        assert row in out, row
+    document = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert document["target"] == "zoo:mlp" and document["input_shapes"] == [[8, 784]]
+    assert document["comparison"]["before"]["train_measured"] > 0
+    assert document["export"]["verification"]["ok"] is True
+    assert (tmp_path / "out" / "model.py").is_file()
+
+
+def test_report_prints_breakdown_and_lints_and_draws_the_plot(tmp_path, capsys):
+    plot = tmp_path / "memory.png"
+    code, out, _ = run(["report", "zoo:odd_channel_cnn", "--plot", str(plot)], capsys)
+    assert code == 0
+    assert "saved for backward" in out and "activations at the peak" in out
+    assert "BatchNorm2d(30) normalizes over a batch of 4" in out and "seed 004" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {plot} (before peak" in out
+
+
+def test_report_without_matplotlib(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now fails
+    code, out, _ = run(["report", "zoo:mlp", "--no-plot", "--json"], capsys)
+    assert code == 0
+    document = json.loads(out)
+    assert document["breakdown"]["train"]["peak_bytes"] > 0 and document["timelines"] == []
+    assert {lint["code"] for lint in document["lints"]} == {"not-multiple-of-8"}
+    code, out, err = run(["report", "zoo:mlp", "--plot", str(tmp_path / "m.png")], capsys)
+    assert code == 2 and "matplotlib is not installed" in err
+    assert "pip install 'fxopt[plot]'" in err and "Traceback" not in err
+    assert "saved for backward" in out  # the text report came first
+
+
+def _off_by_a_bit(gm):
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    value = out.args[0]
+    with gm.graph.inserting_before(out):
+        shifted = mark_new(gm.graph.call_function(_shift, (value,)), "off_by_a_bit")
+    shifted.meta["val"] = value.meta["val"]
+    out.args = (shifted,)
+    return PassResult(gm, True, {})
+
+
+def _shift(x):
+    return x + 1e-2
+
+
+def test_check_exit_codes_and_json(capsys, monkeypatch):
+    code, out, err = run(["check", "zoo:mlp", "--batch-sizes", "1,8", "--seeds", "3"], capsys)
+    assert code == 0, err
+    assert "batch 8, seed 3 (example inputs)" in out and "batch 1, seed 3 (random inputs)" in out
+    assert "equivalent: 3 of 3 runs match" in out
+    monkeypatch.setitem(registry.REGISTRY, "off_by_a_bit",
+                        registry.PassSpec("off_by_a_bit", _off_by_a_bit, "planted", default=False))
+    code, out, _ = run(["check", "zoo:mlp", "--passes", "off_by_a_bit", "--seeds", "0",
+                        "--json"], capsys)
+    document = json.loads(out)
+    assert code == 1 and document["schema"] == SCHEMA and not document["ok"]
+    assert document["passes"] == [{"name": "off_by_a_bit", "modified": True}]
+    assert [(r["batch_size"], r["seed"], r["inputs"], r["ok"]) for r in document["runs"]] == [
+        (8, 0, "example", False), (8, 0, "random", False)]
+    assert document["summary"] == {"runs": 2, "failed_runs": 2, "mismatches": 4}
+    mismatch = document["runs"][0]["mismatches"][0]
+    assert mismatch["kind"] in ("output", "eval_output") and mismatch["name"] == "output"
+    assert mismatch["max_abs"] == pytest.approx(1e-2, rel=1e-3)
+    assert set(mismatch) == {"kind", "name", "max_abs", "max_rel", "rtol", "atol", "detail"}
+
+
+def test_bench_table_and_json(capsys):
+    code, out, _ = run(["bench", "zoo:mlp", "--peers", "checkpoint_sequential", "--repeats", "1",
+                        "--json"], capsys)
+    assert code == 0
+    document = json.loads(out)
+    rows = document["results"][0]["rows"]
+    assert [r["name"] for r in rows] == ["original", "fxopt", "checkpoint_sequential"]
+    assert rows[0]["memory_ratio"] == 1.0 and rows[1]["train_peak_bytes"] > 0
+
+
+def test_errors_are_one_block_with_a_hint(tmp_path, capsys, monkeypatch):
+    (tmp_path / "tiny.py").write_text(TINY)
+    code, _, err = run(["check", f"{tmp_path / 'tiny.py'}:Nett", "--input-shape", "2,6"], capsys)
+    assert code == 2 and "has no attribute 'Nett'; did you mean 'Net'?" in err
+    assert "Traceback" not in err and err.startswith("fxopt: TARGET not found")
+    code, _, err = run(["optimize", "zoo:mlp", "--passes", "reorder,inplace"], capsys)
+    assert code == 2 and "out of order" in err and "what to do:" in err
+    with pytest.raises(ConfigError):
+        cli.main(["optimize", "zoo:mlp", "--passes", "nonsense", "--debug"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["check", "zoo:mlp", "--input-shape", "8,-1"])
+    assert exit_info.value.code == 2 and "positive sizes" in capsys.readouterr().err
+
+    def crash(args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(cli.COMMANDS, "check", crash)
+    code, _, err = run(["check", "zoo:mlp"], capsys)
+    assert code == 3 and "internal error: RuntimeError: boom" in err and "--debug" in err
+
+
+def test_progress_draws_on_a_terminal_only():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal, pipe = Terminal(), io.StringIO()
+    for stream in (terminal, pipe):
+        bar = Progress("work", stream=stream, width=4)
+        bar(1, 2, "first")
+        bar(2, 2, "second")
+    assert pipe.getvalue() == ""
+    assert "\r" in terminal.getvalue() and "[##..] 1/2 first" in terminal.getvalue()
+    assert terminal.getvalue().endswith("2/2 second\x1b[K\n")
+
+
+def test_report_figures_agree_with_measure():
+    import models_zoo
+    from fxopt.breakdown import memory_breakdown
+    from fxopt.measure import measure_train_step
+    from fxopt.timeline import training_timeline
+
+    model, inputs = models_zoo.build("mnist_net", 2)
+    timeline = training_timeline(model, inputs)
+    measured = measure_train_step(model, inputs)
+    assert timeline.peak_bytes == measured.peak_bytes  # the same tracker, the same step
+    assert timeline.baseline_bytes == measured.baseline_bytes
+    assert 0 < timeline.backward_start < len(timeline.ops)
+    assert all(p.grad is None for p in model.parameters())  # left as it was
+    breakdown = memory_breakdown(model, inputs)
+    largest = breakdown.saved[0]
+    assert largest.nbytes == max(s.nbytes for s in breakdown.saved)
+    assert largest.value == "relu_1" and largest.shape == (2, 64, 24, 24)
+    assert "x = F.relu(self.conv2(x))" in largest.produced_by
+    assert set(largest.kept_for) == {"relu_1", "max_pool2d"}
+
+
+def test_dtype_choices_match_the_loader():
+    dtype_action = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices[
+        "check"]._actions if a.dest == "dtype")
+    assert sorted(dtype_action.choices) == sorted(DTYPES)
+
+
+def test_entry_points_as_subprocesses(tmp_path):
+    """The console script and ``python -m fxopt``, one process per subcommand: exit codes, JSON
+    on stdout, one-block errors, and no progress bar when piped. (A process costs seconds of
+    imports and warm-up: the success paths of optimize and bench are tested in-process.)"""
+    fxopt, module = [str(VENV_BIN / "fxopt")], [sys.executable, "-m", "fxopt"]
+    commands = {
+        "check": fxopt + ["check", "zoo:mlp", "--json", "--seeds", "0"],
+        "optimize": module + ["optimize", "zoo:mlpp"],
+        "report": module + ["report", "zoo:mlp", "--plot", "m.png", "--json"],
+        "bench": fxopt + ["bench", "zoo:mlp", "--peers", "checkpoint_sequentail"],
+    }
+    # one intra-op thread: this process waits meanwhile, and CI's two cores are shared
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST")},
+           "OMP_NUM_THREADS": "1"}
+    done = {}
+    for name, argv in commands.items():
+        process = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                                 timeout=300)
+        done[name] = (process.returncode, process.stdout, process.stderr)
+
+    code, out, err = done["check"]
+    assert code == 0, err[-2000:]
+    assert json.loads(out)["ok"] is True
+    assert "[" not in err  # no progress bar in a pipe
+
+    code, out, err = done["optimize"]
+    assert code == 2 and err.startswith("fxopt: unknown zoo model 'mlpp'; did you mean 'mlp'?")
+    assert "Traceback" not in err
+
+    code, out, err = done["report"]
+    assert code == 0, err[-2000:]
+    assert json.loads(out)["timelines"][0]["label"] == "before"
+    assert (tmp_path / "m.png").is_file()
+
+    code, out, err = done["bench"]  # its table is tested in-process; here the exit path
+    assert code == 2 and "unknown peer(s) ['checkpoint_sequentail']" in err
+    assert "known peers: checkpoint_sequential" in err and "Traceback" not in err
