@@ -19,11 +19,26 @@ Profiling slows the call down: never time a run measured here.
 from __future__ import annotations
 
 import contextlib
-import io
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+
+@contextlib.contextmanager
+def _quiet_stderr_fd() -> Iterator[None]:
+    """Kineto writes start/stop lines straight to file descriptor 2: point it at /dev/null."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def peak_allocated_during(run: Callable[[], object], device: torch.device) -> int:
@@ -35,9 +50,8 @@ def peak_allocated_during(run: Callable[[], object], device: torch.device) -> in
         run()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    # kineto prints start/stop lines on stderr's file descriptor; keep Python's own quiet
-    with contextlib.redirect_stderr(io.StringIO()), profile(
-            activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr_fd(), profile(activities=[ProfilerActivity.CPU],
+                                     profile_memory=True) as prof:
         run()
     events = [e for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
