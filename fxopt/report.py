@@ -47,6 +47,7 @@ class Report:
             lines.append(f"  {record.name:<22} {'changed' if record.modified else 'unchanged':<9} "
                          f"{record.seconds * 1e3:7.1f} ms  {stats}")
             lines.extend(_region_lines(record.stats.get("regions", [])))
+            lines.extend(_padded_op_lines(record.stats.get("ops", [])))
         if self.memory_before and self.memory_after:
             lines.append(memory_table(self.memory_before, self.memory_after))
         if self.verification is not None:
@@ -62,6 +63,12 @@ def _region_lines(regions: list[dict[str, Any]]) -> list[str]:
         f"{format_bytes(r['rebuilt_bytes'])} in backward, +{r['predicted_extra_ms']:.2f} ms predicted"
         for r in regions if "kept_bytes_saved" in r
     ]
+
+
+def _padded_op_lines(ops: list[dict[str, Any]]) -> list[str]:
+    """One line per op pad_channels padded: old -> new shapes and the FLOPs it adds."""
+    return [f"    {op['node']:<18} {op['old']}  =>  {op['new']}  (+{op['extra_flops']:,} FLOPs)"
+            for op in ops if "old" in op and "new" in op]
 
 
 def _memory_dict(report: MemoryReport | None) -> dict[str, Any] | None:

@@ -46,8 +46,13 @@ def lookup(name: str) -> PassSpec | None:
 def _register_builtin() -> None:
     from passes.checkpoint import checkpoint
     from passes.inplace_activations import inplace_activations
+    from passes.pad_channels import pad_channels
     from passes.reorder import reorder
 
+    register(PassSpec("pad_channels", pad_channels,
+                      "pad channel/feature sizes to multiples of 8 where aligned kernels are "
+                      "faster (CUDA half/bfloat16/TF32; force=true elsewhere)",
+                      aliases=("pad",)))
     register(PassSpec("inplace_activations", inplace_activations,
                       "make activations in-place where autograd does not need the input",
                       aliases=("inplace",)))

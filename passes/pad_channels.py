@@ -1,0 +1,249 @@
+"""Pad channel and feature sizes to multiples of ``multiple`` so heavy kernels run aligned.
+
+``pad_channels(gm)`` rewrites the heavy ops that ``fxopt.pad_plan`` picks (convs, including
+grouped and depthwise ones, ConvTranspose, Linear, functional conv/linear, matmul) into their
+functional form on padded operands, lets the padding flow through channel-wise ops, and gives
+every other consumer the original shape back. See ``fxopt.pad_plan`` for which ops pad and
+which carry padding, and ``fxopt.pad_policy`` for when padding is worth it.
+
+When it is safe: always -- the padded model computes the same function in exact arithmetic.
+
+- Parameters stay the user's, with their shapes: weights and biases are padded *inside the
+  graph* (``F.pad`` of the parameter), so gradients reach the real Parameter through the pad,
+  and the padded region of a parameter never exists as state (it cannot drift in training).
+- Padded weight rows, columns and biases are zero, so padded outputs are exactly zero and
+  padded inputs meet zero weights: a padded channel never leaks into a real one.
+- BatchNorm on a padded tensor runs ``F.batch_norm`` with zero-padded weight and bias and
+  running statistics padded for the call (mean 0, variance 1, so padded channels stay 0 in
+  eval too); the updated real statistics are copied back into the module's buffers and
+  ``num_batches_tracked`` is incremented exactly when the module would (its ``training`` flag is
+  read at run time). Checkpointed regions restore these buffers like any other.
+- The value handed to an unpadded consumer is a view (``narrow``) of the real channels, made
+  contiguous where the consumer may rely on it (the model's outputs, ``view``, user modules).
+
+Policy: by default the pass changes nothing unless the graph runs on CUDA in float16/bfloat16
+(or float32 with TF32), and there it keeps a pad only where timing says the padded op is
+faster; ``force=True`` pads every op it can (e.g. on CPU, for tests, or under autocast).
+
+Padding is for speed and costs memory: padded activations are larger (odd_channel_cnn's
+training peak grows about 15%). Stats: ``padded_ops``; ``extra_flops`` and ``extra_flops_pct``;
+``slices`` (values handed back unpadded); ``ops``, one entry per padded op with its old and new
+operand -> output shapes and extra FLOPs; ``declined`` (op -> why not); ``timings_ms``.
+
+Not handled: BatchNorm with ``momentum=None`` (its input is sliced back: it runs unpadded),
+ops inside opaque leaves, modules with hooks, and the limits listed in ``fxopt.pad_plan``.
+Optimizing a padded module again traces its ``getattr(bn, "training")`` as a constant: right
+for the train and eval graphs, wrong for a BatchNorm frozen in eval inside a training model.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from fxopt.errors import ConfigError
+from fxopt.meta import refresh_meta
+from fxopt.pad_plan import AnchorPlan, NormPlan, Operand, Padded, PadPlan, Resize, plan_padding
+from fxopt.pad_policy import OPS, Timer, TimingCase, default_decider, pad_list, padding_pays
+from fxopt.pass_base import PassResult, mark_new
+
+PASS_NAME = "pad_channels"
+MULTIPLES = (8, 16, 32, 64)
+
+
+def pad_channels(gm: fx.GraphModule, *, multiple: int = 8, force: bool = False,
+                 measure: bool | None = None, timer: Timer | None = None) -> PassResult:
+    """Pad unaligned channel/feature sizes of heavy ops (see the module docstring).
+
+    ``multiple``: 8, 16, 32 or 64. ``force``: pad whatever the device and dtype. ``measure``:
+    time each padded op against the original and keep only faster pads (default: on CUDA when
+    not forced). ``timer``: replaces the timing function (``(case) -> (original_s, padded_s)``).
+    """
+    if isinstance(multiple, bool) or multiple not in MULTIPLES:
+        raise ConfigError(f"pad_channels: multiple={multiple!r} is not supported",
+                          where="pass pad_channels",
+                          hint=f"use one of {', '.join(map(str, MULTIPLES))}")
+    if not force:
+        pays, reason = padding_pays(gm)
+        if not pays:
+            return PassResult(gm, False, {"reason": reason})
+    decider = default_decider(gm, measure=measure, timer=timer, force=force)
+    plan = plan_padding(gm, multiple=multiple, keep=decider.keep)
+    stats: dict[str, Any] = {"multiple": multiple, "padded_ops": len(plan.anchors)}
+    if decider.timings:
+        stats["timings_ms"] = {_describe(case): f"{a * 1e3:.3f} -> {b * 1e3:.3f}"
+                               for case, (a, b) in decider.timings.items()}
+    if plan.declined:
+        stats["declined"] = dict(plan.declined)
+    if not plan.anchors:
+        stats["reason"] = "every heavy op is aligned already" if not plan.declined else \
+            "no heavy op could be padded or was worth it (see declined)"
+        return PassResult(gm, False, stats)
+    slices = _Rewriter(gm, plan).run()
+    gm.recompile()
+    refresh_meta(gm)
+    flops = sum(a.flops for a in plan.anchors.values())
+    extra = sum(a.extra_flops for a in plan.anchors.values())
+    stats.update({"extra_flops": extra,
+                  "extra_flops_pct": round(100.0 * extra / flops, 2) if flops else 0.0,
+                  "slices": slices,
+                  "ops": [{"node": a.node.name, "old": a.old, "new": a.new,
+                           "extra_flops": a.extra_flops} for a in plan.anchors.values()]})
+    return PassResult(gm, True, stats)
+
+
+def _describe(case: TimingCase) -> str:
+    shapes = " x ".join("x".join(map(str, shape)) for shape in case.shapes if shape)
+    return f"{case.op} {shapes}"
+
+
+class _Rewriter:
+    """Applies a PadPlan to its graph, node by node, in graph order."""
+
+    def __init__(self, gm: fx.GraphModule, plan: PadPlan):
+        self.gm, self.graph, self.plan = gm, gm.graph, plan
+        self.origin: dict[fx.Node, fx.Node] = {}     # replacement node -> the node it replaced
+        self.current: dict[fx.Node, fx.Node] = {}    # replaced node -> its replacement
+        self.attrs: dict[str, fx.Node] = {}
+        self.narrowed: dict[fx.Node, fx.Node] = {}
+        self.resized: dict[tuple[fx.Node, tuple[Resize, ...]], fx.Node] = {}
+        self.slices = 0
+        self.like: fx.Node | None = None
+
+    def run(self) -> int:
+        for node in list(self.graph.nodes):
+            self.like = node
+            with self.graph.inserting_before(node):
+                if node in self.plan.anchors:
+                    self._replace(node, self._anchor(self.plan.anchors[node]))
+                elif node in self.plan.norms:
+                    self._replace(node, self._batch_norm(node, self.plan.norms[node]))
+                else:
+                    self._unpad_inputs(node)
+        return self.slices
+
+    def _replace(self, old: fx.Node, new: fx.Node) -> None:
+        old.replace_all_uses_with(new)
+        self.origin[new] = old
+        self.current[old] = new
+        self.graph.erase_node(old)
+
+    def _new(self, op: str, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        node = self.graph.create_node(op, target, args, kwargs or {})
+        if self.like is not None:  # where in the user's model the new node comes from
+            node.meta.update({k: v for k, v in self.like.meta.items()
+                              if k in ("stack_trace", "nn_module_stack")})
+        return mark_new(node, PASS_NAME)
+
+    def _call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return self._new("call_function", target, args, kwargs)
+
+    def _attr(self, target: str) -> fx.Node:
+        if target not in self.attrs:
+            self.attrs[target] = self._new("get_attr", target, ())
+        return self.attrs[target]
+
+    def _state(self, value: fx.Node) -> Padded | None:
+        return self.plan.layout.get(self.origin.get(value, value))
+
+    # --- consumers that need the original shape ------------------------------------------
+
+    def _unpad_inputs(self, node: fx.Node) -> None:
+        takes = self.plan.takes_padded.get(node, set())
+        for value in node.all_input_nodes:
+            state = self._state(value)
+            if state is None or self.origin.get(value, value) in takes:
+                continue
+            real = self._narrow(value, state)
+            if _needs_contiguous(self.gm, node):
+                real = self._new("call_method", "contiguous", (real,))
+            node.replace_input_with(value, real)
+
+    def _narrow(self, value: fx.Node, state: Padded) -> fx.Node:
+        if value not in self.narrowed:
+            self.narrowed[value] = self._call(torch.narrow, value, state.dim, 0, state.real)
+            self.slices += 1
+        return self.narrowed[value]
+
+    # --- anchors -------------------------------------------------------------------------
+
+    def _anchor(self, plan: AnchorPlan) -> fx.Node:
+        operands = [self._operand(o) for o in plan.operands]
+        return self._call(OPS[plan.op], *operands, *plan.options)
+
+    def _operand(self, operand: Operand) -> fx.Node | None:
+        if operand.source is None:
+            return None
+        source = operand.source
+        value = self._attr(source) if isinstance(source, str) else self.current.get(source, source)
+        key = (value, operand.resizes)
+        if key in self.resized and not _mutated(self.gm, value):
+            return self.resized[key]
+        state = self._state(value) if value.op != "get_attr" else None
+        current, grow = value, {}
+        wanted = {r.dim for r in operand.resizes}
+        if state is not None and state.dim not in wanted:
+            current, state = self._narrow(value, state), None
+        for r in operand.resizes:
+            have = state.total if state is not None and state.dim == r.dim else r.real
+            if r.total < have:
+                current = self._call(torch.narrow, current, r.dim, 0, r.total)
+            elif r.total > have:
+                grow[r.dim] = r.total - have
+        if grow:
+            current = self._call(F.pad, current, pad_list(grow))
+        self.resized[key] = current
+        return current
+
+    # --- BatchNorm on padded channels ------------------------------------------------------
+
+    def _batch_norm(self, node: fx.Node, plan: NormPlan) -> fx.Node:
+        x = node.args[0]
+        extra = [0, plan.padded.total - plan.padded.real]
+        weight = bias = None
+        if plan.affine:
+            weight = self._call(F.pad, self._attr(f"{plan.path}.weight"), extra)
+            bias = self._call(F.pad, self._attr(f"{plan.path}.bias"), extra)
+        if not plan.tracks:
+            return self._call(F.batch_norm, x, None, None, weight, bias, True, plan.momentum,
+                              plan.eps)
+        training = self._call(getattr, self._attr(plan.path), "training")
+        mean, var = self._attr(f"{plan.path}.running_mean"), self._attr(f"{plan.path}.running_var")
+        padded_mean = self._call(F.pad, mean, extra)
+        padded_var = self._call(F.pad, var, extra, value=1.0)
+        self._new("call_method", "add_", (self._attr(f"{plan.path}.num_batches_tracked"),
+                                          training))
+        out = self._call(F.batch_norm, x, padded_mean, padded_var, weight, bias, training,
+                         plan.momentum, plan.eps)
+        for buffer, padded in ((mean, padded_mean), (var, padded_var)):
+            real = self._call(torch.narrow, padded, 0, 0, plan.padded.real)
+            self._new("call_method", "copy_", (buffer, real))
+        return out
+
+
+def _needs_contiguous(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` may rely on a contiguous input: outputs, ``view``, user modules."""
+    if node.op == "output" or (node.op == "call_method" and node.target in ("view", "view_as")):
+        return True
+    if node.op == "call_module":
+        return not type(gm.get_submodule(node.target)).__module__.startswith("torch.")
+    return False
+
+
+def _mutated(gm: fx.GraphModule, value: fx.Node) -> bool:
+    """Whether some user of ``value`` may write into it (then each reader pads its own copy)."""
+    for user in value.users:
+        name = user.target if isinstance(user.target, str) else \
+            getattr(user.target, "__name__", "")
+        if user.op == "call_module":
+            if getattr(gm.get_submodule(user.target), "inplace", False):
+                return True
+        elif (name.endswith("_") and not name.endswith("__")) or user.kwargs.get("inplace") or \
+                user.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv):
+            return True
+    return False
+

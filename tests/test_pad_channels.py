@@ -1,0 +1,387 @@
+"""passes.pad_channels: golden graphs, equivalence on the zoo, zero padding, policy and timing."""
+
+import operator
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import fx, nn
+
+import fxopt
+import models_zoo
+from fxopt.errors import ConfigError
+from fxopt.pad_policy import Decider, TimingCase, padding_pays, time_case
+from fxopt.trace import trace
+from fxopt.verify import verify
+from helpers import check_pass
+from passes.pad_channels import pad_channels
+
+FORCED = {"force": True}
+
+
+class FlattenNet(nn.Module):
+    """Conv -> BN -> ReLU -> max-pool, then flatten (3x3 spatial) into a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 10, 3)
+        self.bn = nn.BatchNorm2d(10)
+        self.fc = nn.Linear(90, 20)
+
+    def forward(self, x):
+        x = F.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        return self.fc(torch.flatten(x, 1))
+
+
+def test_padded_tensor_flows_through_bn_pool_and_flatten_into_linear():
+    torch.manual_seed(0)
+    gm, result = check_pass(
+        FlattenNet(), (torch.randn(2, 1, 8, 8),), pad_channels, options=FORCED,
+        memory_not_worse=False,
+        golden_before="""
+            x = input
+            conv = conv:Conv2d(x)
+            bn = bn:BatchNorm2d(conv)
+            relu = relu(bn)
+            max_pool2d = max_pool2d(relu, 2, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False)
+            flatten = flatten(max_pool2d, 1)
+            fc = fc:Linear(flatten)
+            return fc
+        """,
+        golden_after="""
+            x = input
+            pad = pad(x, [0, 0, 0, 0, 0, 7])
+            conv_weight = @conv.weight()
+            pad_1 = pad(conv_weight, [0, 0, 0, 0, 0, 7, 0, 6])
+            conv_bias = @conv.bias()
+            pad_2 = pad(conv_bias, [0, 6])
+            conv2d = conv2d(pad, pad_1, pad_2, [1, 1], [0, 0], [1, 1], 1)
+            bn_weight = @bn.weight()
+            pad_3 = pad(bn_weight, [0, 6])
+            bn_bias = @bn.bias()
+            pad_4 = pad(bn_bias, [0, 6])
+            bn_1 = @bn()
+            getattr_1 = getattr(bn_1, 'training')
+            bn_running_mean = @bn.running_mean()
+            bn_running_var = @bn.running_var()
+            pad_5 = pad(bn_running_mean, [0, 6])
+            pad_6 = pad(bn_running_var, [0, 6], value=1.0)
+            bn_num_batches_tracked = @bn.num_batches_tracked()
+            add_ = .add_(bn_num_batches_tracked, getattr_1)
+            batch_norm = batch_norm(conv2d, pad_5, pad_6, pad_3, pad_4, getattr_1, 0.1, 1e-05)
+            narrow = narrow(pad_5, 0, 0, 10)
+            copy_ = .copy_(bn_running_mean, narrow)
+            narrow_1 = narrow(pad_6, 0, 0, 10)
+            copy__1 = .copy_(bn_running_var, narrow_1)
+            relu = relu(batch_norm)
+            max_pool2d = max_pool2d(relu, 2, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False)
+            flatten = flatten(max_pool2d, 1)
+            fc_weight = @fc.weight()
+            pad_7 = pad(fc_weight, [0, 54, 0, 4])
+            fc_bias = @fc.bias()
+            pad_8 = pad(fc_bias, [0, 4])
+            linear = linear(flatten, pad_7, pad_8)
+            narrow_2 = narrow(linear, -1, 0, 20)
+            contiguous = .contiguous(narrow_2)
+            return contiguous
+        """,
+    )
+    # the flattened zeros sit at the end: 10 real channels x 9 positions, then 6 x 9 zeros
+    assert [op["new"] for op in result.stats["ops"]] == [
+        "conv2d 2x8x8x8 x 16x8x3x3 x 16 -> 2x16x6x6", "linear 2x144 x 24x144 x 24 -> 2x24"]
+    assert result.stats["extra_flops"] == sum(op["extra_flops"] for op in result.stats["ops"])
+
+
+# Every padded op of the acceptance models, old -> new shape (a golden of what was padded).
+ZOO_GOLDENS = {
+    "odd_channel_cnn": [
+        "conv2d 4x3x32x32 x 30x3x3x3 x 30 -> 4x30x32x32 => conv2d 4x8x32x32 x 32x8x3x3 x 32 -> 4x32x32x32",
+        "conv2d 4x30x32x32 x 60x30x3x3 x 60 -> 4x60x16x16 => conv2d 4x32x32x32 x 64x32x3x3 x 64 -> 4x64x16x16",
+        "conv2d 4x60x16x16 x 100x60x3x3 x 100 -> 4x100x8x8 => conv2d 4x64x16x16 x 104x64x3x3 x 104 -> 4x104x8x8",
+        "linear 4x100 x 10x100 x 10 -> 4x10 => linear 4x104 x 16x104 x 16 -> 4x16",
+    ],
+    "grouped_cnn": [
+        "conv2d 4x3x32x32 x 6x3x3x3 x 6 -> 4x6x32x32 => conv2d 4x8x32x32 x 8x8x3x3 x 8 -> 4x8x32x32",
+        "conv2d 4x6x32x32 x 12x2x3x3 x 12 -> 4x12x32x32 (groups 3) => "
+        "conv2d 4x8x32x32 x 16x2x3x3 x 16 -> 4x16x32x32 (groups 4)",
+        "conv2d 4x12x32x32 x 12x1x3x3 x 12 -> 4x12x16x16 (groups 12) => "
+        "conv2d 4x16x32x32 x 16x1x3x3 x 16 -> 4x16x16x16 (groups 16)",
+        "conv2d 4x12x16x16 x 30x12x1x1 x 30 -> 4x30x16x16 => conv2d 4x16x16x16 x 32x16x1x1 x 32 -> 4x32x16x16",
+        "linear 4x30 x 10x30 x 10 -> 4x10 => linear 4x32 x 16x32 x 16 -> 4x16",
+    ],
+    "mnist_net": [
+        "conv2d 4x1x28x28 x 32x1x3x3 x 32 -> 4x32x26x26 => conv2d 4x8x28x28 x 32x8x3x3 x 32 -> 4x32x26x26",
+        "linear 4x128 x 10x128 x 10 -> 4x10 => linear 4x128 x 16x128 x 16 -> 4x16",
+    ],
+}
+
+
+def _summary(result):
+    return [f"{op['old']} => {op['new']}" for op in result.stats["ops"]]
+
+
+@pytest.mark.parametrize("name", sorted(ZOO_GOLDENS))
+def test_zoo_cnns_pad_and_verify(name):
+    model, inputs = models_zoo.build(name)
+    gm, result = check_pass(model, inputs, pad_channels, options=FORCED, memory_not_worse=False)
+    assert _summary(result) == ZOO_GOLDENS[name]
+    assert result.stats["slices"] == 1  # only the logits are sliced back, before the output
+
+
+def test_transformer_lm_pads_vocab_and_slices_logits_before_the_output():
+    model, inputs = models_zoo.build("transformer_lm")
+    gm, result = check_pass(model, inputs, pad_channels, options=FORCED, memory_not_worse=False)
+    ops = {op["node"]: op["new"] for op in result.stats["ops"]}
+    assert ops["lm_head"] == "linear 2x16x104 x 50264x104 x 50264 -> 2x16x50264"
+    assert ops["blocks_0_attn_q_proj"] == "linear 2x16x104 x 104x104 x 104 -> 2x16x104"
+    assert ops["matmul"] == "matmul 2x5x16x24 x 2x5x24x16 -> 2x5x16x16"  # head dim 20 -> 24
+    assert len(ops) == 17
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert output.target == "contiguous" and output.args[0].args[1:] == (-1, 0, 50257)
+    # dropout draws its mask on the original shape: its input is sliced back first
+    dropout_inputs = [n.args[0] for n in gm.graph.nodes if n.op == "call_module"
+                      and isinstance(gm.get_submodule(n.target), nn.Dropout)]
+    assert all(x.meta["val"].shape[-1] != 104 for x in dropout_inputs)
+    assert sum(x.target is torch.narrow for x in dropout_inputs) == 4  # out_proj, mlp, 2 blocks
+
+
+def test_mobilenet_v2_residual_adds_stay_padded():
+    model, _ = models_zoo.build("mobilenet_v2")
+    inputs = (torch.randn(2, 3, 32, 32),)
+    gm = trace(model, inputs)
+    result = pad_channels(gm, multiple=16, force=True)
+    # the stem's 3 input channels, the 24-channel stage (-> 32) and the 1000 classes (-> 1008)
+    assert [op["node"] for op in result.stats["ops"]] == [
+        "features_0_0", "features_2_conv_2", "features_3_conv_0_0", "features_3_conv_2",
+        "features_4_conv_0_0", "classifier_1"]
+    adds = [n for n in gm.graph.nodes if n.target is operator.add]
+    padded_adds = [n for n in adds if n.meta["val"].shape[1] == 32 and
+                   all(a.meta["val"].shape[1] == 32 for a in n.args)]
+    assert padded_adds  # features.3's residual add runs on the padded tensors
+    assert verify(model, gm, inputs, check_eval=False).ok
+
+
+def _padded_values(gm, inputs, real):
+    """Run gm; the padded tail (channels >= real) of every batch_norm/conv2d/relu output."""
+    tails = []
+
+    class Capture(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            name = getattr(n.target, "__name__", str(n.target))
+            if name in ("conv2d", "batch_norm") or n.op == "call_module" and \
+                    isinstance(self.module.get_submodule(n.target), nn.ReLU):
+                tails.append(out[:, real[out.shape[1]]:])
+            return out
+
+    Capture(gm).run(*inputs)
+    return tails
+
+
+def test_padded_channels_stay_exactly_zero_through_training_and_eval():
+    model, inputs = models_zoo.build("odd_channel_cnn")
+    gm = trace(model, inputs)
+    pad_channels(gm, force=True)
+    params = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(gm.parameters(), lr=0.5)
+    real = {32: 30, 64: 60, 104: 100}
+    for _ in range(3):
+        optimizer.zero_grad()
+        gm(*inputs).square().mean().backward()
+        optimizer.step()
+    tails = _padded_values(gm, inputs, real)
+    gm.eval()
+    tails += _padded_values(gm, inputs, real)
+    assert len(tails) == 18 and all(bool((t == 0).all()) for t in tails)
+    # the optimizer trained the user's own Parameters, which kept their shapes
+    assert [p.shape for p in model.parameters()] == [p.shape for p in params]
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), params))
+
+
+class Assorted(nn.Module):
+    """Functional conv and linear, ConvTranspose, matmul, a padded residual add, and BatchNorms
+    the pass must handle specially (no running stats; momentum=None: sliced back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 3, 3, 3) * 0.2)
+        self.bn_free = nn.BatchNorm2d(6, track_running_stats=False)
+        self.up = nn.ConvTranspose2d(6, 5, 2, stride=2)
+        self.bn_cumulative = nn.BatchNorm2d(5, momentum=None)
+        self.proj = nn.Linear(5, 7)
+        self.v = nn.Parameter(torch.randn(7, 7) * 0.2)
+
+    def forward(self, x):
+        h = F.relu(self.bn_free(F.conv2d(x, self.w, None, 1, 1)))
+        h = self.bn_cumulative(F.relu(self.up(h + h * 0.5)))
+        t = self.proj(h.flatten(2).transpose(1, 2))
+        return torch.matmul(t, self.v) + F.linear(t, self.v)
+
+
+def test_functional_transpose_matmul_and_special_batchnorms():
+    torch.manual_seed(0)
+    gm, result = check_pass(Assorted(), (torch.randn(2, 3, 5, 5),), pad_channels,
+                            options=FORCED, memory_not_worse=False)
+    assert [op["node"] for op in result.stats["ops"]] == [
+        "conv2d", "up", "proj", "matmul", "linear"]
+    targets = [getattr(n.target, "__name__", n.target) for n in gm.graph.nodes]
+    assert targets.count("batch_norm") == 1  # the momentum=None one runs unpadded, as a module
+    assert gm.bn_cumulative.num_batches_tracked.item() == 0  # the user's buffers untouched
+
+
+@st.composite
+def conv_stacks(draw):
+    """Two or three convs with channel counts 1..70, groups dividing them, kernels 1/3/5,
+    strides 1/2, each optionally followed by BatchNorm and ReLU."""
+    channels = draw(st.integers(1, 70))
+    layers = []
+    for _ in range(draw(st.integers(2, 3))):
+        groups = draw(st.sampled_from([g for g in range(1, channels + 1) if channels % g == 0]))
+        out = groups * draw(st.integers(1, 70 // groups))
+        kernel, stride = draw(st.sampled_from([1, 3, 5])), draw(st.sampled_from([1, 2]))
+        layers.append(nn.Conv2d(channels, out, kernel, stride, kernel // 2, groups=groups,
+                                bias=draw(st.booleans())))
+        if draw(st.booleans()):
+            layers += [nn.BatchNorm2d(out), nn.ReLU()]
+        channels = out
+    return nn.Sequential(*layers), draw(st.integers(0, 2 ** 16))
+
+
+@settings(max_examples=10, deadline=None)
+@given(conv_stacks())
+def test_random_conv_stacks_verify_forward_and_backward(stack):
+    model, seed = stack
+    torch.manual_seed(seed)
+    inputs = (torch.randn(2, model[0].in_channels, 6, 6),)
+    gm = trace(model, inputs)
+    pad_channels(gm, force=True)
+    report = verify(model, gm, inputs)
+    assert report.ok, str(report)
+    assert pad_channels(gm, force=True).modified is False
+
+
+def test_pad_then_checkpoint_with_a_budget_still_verifies():
+    layers = [nn.Conv2d(3, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU()]
+    for _ in range(5):
+        layers += [nn.Conv2d(12, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU()]
+    torch.manual_seed(0)
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5))
+    out = fxopt.optimize(model, (torch.randn(4, 3, 24, 24),),
+                         passes="pad{force=true},checkpoint{budget=0.6}")
+    pad_record, checkpoint_record = out.fxopt_report.passes
+    assert pad_record.modified and checkpoint_record.stats["regions_count"] >= 1
+    regions = [getattr(out, n.target) for n in out.graph.nodes
+               if n.op == "get_attr" and n.target.startswith("_fxopt_region_")]
+    assert any("batch_norm" in str(r.body.graph) for r in regions)  # padded BN is recomputed
+    assert out.fxopt_report.verification.ok  # BN buffers updated once, as in the original
+
+
+def test_default_policy_is_a_quick_no_op_on_cpu():
+    model, inputs = models_zoo.build("odd_channel_cnn")
+    gm = trace(model, inputs)
+    code = gm.code
+    start = time.perf_counter()
+    result = pad_channels(gm)
+    assert time.perf_counter() - start < 0.05
+    assert result.modified is False and gm.code == code
+    assert result.stats == {"reason": "runs on cpu: aligned channels only pay on CUDA tensor "
+                                      "cores (pad_channels{force=true} pads anyway)"}
+
+
+def _graph_with_input(dtype, device="cuda"):
+    """A traced Linear whose input meta says it runs on ``device`` in ``dtype`` (fake: no GPU)."""
+    gm = trace(nn.Linear(3, 3), (torch.randn(2, 3),))
+    placeholder = next(iter(gm.graph.nodes))
+    with placeholder.meta["val"].fake_mode:
+        placeholder.meta["val"] = torch.empty(2, 3, dtype=dtype, device=device)
+    return gm
+
+
+def test_default_policy_pads_cuda_half_and_tf32_only():
+    assert padding_pays(_graph_with_input(torch.float16))[0] is True
+    assert padding_pays(_graph_with_input(torch.bfloat16))[0] is True
+    assert padding_pays(_graph_with_input(torch.float16, "cpu"))[0] is False
+    assert padding_pays(_graph_with_input(torch.float32))[0] is False
+    previous = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert padding_pays(_graph_with_input(torch.float32))[0] is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def test_measured_policy_keeps_only_faster_pads_and_times_each_case_once():
+    calls = []
+
+    def fake_timer(case):  # padded linear is faster, padded convs are slower
+        calls.append(case)
+        return (1.0, 0.5) if case.op == "linear" else (1.0, 1.0)
+
+    model, inputs = models_zoo.build("odd_channel_cnn")
+    gm, result = check_pass(model, inputs, pad_channels,
+                            options={"force": True, "timer": fake_timer}, memory_not_worse=False)
+    assert [op["node"] for op in result.stats["ops"]] == ["_11"]
+    slower = "measured: not faster padded"
+    assert result.stats["declined"] == {"_0": slower, "_3": slower, "_6": slower}
+    # three convs and the linear, timed once: the second (idempotence) run hit the cache
+    assert len(calls) == len(set(calls)) == 4
+    assert not any("batch_norm" in str(n.target) for n in gm.graph.nodes)
+
+
+def test_decider_margin_and_file_cache(tmp_path):
+    case = TimingCase("linear", ((2, 3), (5, 3), None), ((2, 8), (8, 8), None),
+                      (True, True, False), (), (), "torch.float32", "cpu")
+    assert Decider(lambda c: (1.0, 0.99)).keep(case) is False  # within the 3% margin: no
+    assert Decider(lambda c: (1.0, 0.9)).keep(case) is True
+    cache = tmp_path / "pad_timings.json"
+    assert Decider(lambda c: (1.0, 0.9), cache_file=cache).keep(case) is True
+    assert cache.exists()
+
+    def must_not_time(c):
+        raise AssertionError("timed again despite the cache")
+
+    assert Decider(must_not_time, cache_file=cache).keep(case) is True
+
+
+def test_time_case_runs_forward_and_backward_on_cpu():
+    case = TimingCase("conv2d", ((1, 3, 6, 6), (6, 3, 3, 3), (6,)),
+                      ((1, 8, 6, 6), (8, 8, 3, 3), (8,)), (True, True, True),
+                      (1, 1, 1, 1), (1, 1, 1, 1), "torch.float32", "cpu")
+    original, padded = time_case(case, repeats=1, warmup=1)
+    assert original > 0 and padded > 0
+
+
+def test_registered_first_with_alias_and_bad_options_are_config_errors():
+    from passes import canonical_order, lookup
+
+    assert canonical_order()[0] == "pad_channels" and lookup("pad").name == "pad_channels"
+    model, inputs = models_zoo.build("mlp")
+    with pytest.raises(ConfigError, match="out of order"):
+        fxopt.optimize(model, inputs, passes="inplace,pad")
+    with pytest.raises(ConfigError, match="multiple=12"):
+        pad_channels(trace(model, inputs), multiple=12, force=True)
+
+
+def test_checkpoints_load_both_ways():
+    model, inputs = models_zoo.build("odd_channel_cnn")
+    gm = trace(model, inputs)
+    pad_channels(gm, force=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert list(gm.state_dict()) == list(state)
+    gm.load_state_dict(state)
+    model.load_state_dict(gm.state_dict())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+def test_cuda_half_policy_measures_and_verifies():
+    model, inputs = models_zoo.build("odd_channel_cnn", 64)
+    model = model.cuda().half()
+    inputs = tuple(t.cuda().half() for t in inputs)
+    gm = trace(model, inputs)
+    result = pad_channels(gm)
+    assert "timings_ms" in result.stats  # every candidate was timed on the device
+    assert verify(model, gm, inputs).ok
