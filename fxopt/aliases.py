@@ -68,6 +68,15 @@ def _table_alias_source(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     return None
 
 
+_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                    torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+def _identity_in_eval(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return (node.op == "call_module" and bool(node.args) and isinstance(node.args[0], fx.Node)
+            and isinstance(gm.get_submodule(node.target), _DROPOUT_MODULES))
+
+
 class _UnionFind:
     def __init__(self) -> None:
         self.parent: dict[fx.Node, fx.Node] = {}
@@ -83,13 +92,20 @@ class _UnionFind:
         self.parent[self.find(b)] = self.find(a)
 
 
-def alias_classes(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """node -> alias class id (0, 1, 2, ... numbered by each class's first node in graph order)."""
+def alias_classes(gm: fx.GraphModule, *, either_mode: bool = False) -> dict[fx.Node, int]:
+    """node -> alias class id (0, 1, 2, ... numbered by each class's first node in graph order).
+
+    The fake run is a train-mode run. ``either_mode=True`` adds the aliases eval mode makes: a
+    dropout module returns its input itself there. Passes that overwrite or move writes need
+    it, since the optimized module runs in eval mode too; memory accounting (train) does not.
+    """
     groups = _UnionFind()
     owner: dict[StorageWeakRef, fx.Node] = {}
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     for node in nodes:
         groups.find(node)
+        if either_mode and _identity_in_eval(gm, node):
+            groups.union(node.args[0], node)
         if "val" not in node.meta:
             source = _table_alias_source(gm, node)
             if source is not None:

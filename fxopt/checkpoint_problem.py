@@ -39,11 +39,15 @@ def _storage_bytes(node: fx.Node) -> int:
     return allocated_bytes(val) if isinstance(val, torch.Tensor) else 0
 
 
-def _mutated(node: fx.Node) -> fx.Node | None:
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    in_place = (isinstance(name, str) and name.endswith("_") and not name.startswith("_")) or (
-        node.kwargs.get("inplace") is True) or name in ("iadd", "isub", "imul", "itruediv")
-    if node.op == "call_module" or not in_place or not node.args:
+def _mutated(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The input ``node`` overwrites in place (``relu_``, ``inplace=True``, ``+=``), if any."""
+    if node.op == "call_module":
+        in_place = getattr(gm.get_submodule(node.target), "inplace", False) is True
+    else:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        in_place = (isinstance(name, str) and name.endswith("_") and not name.startswith("_")) or (
+            node.kwargs.get("inplace") is True) or name in ("iadd", "isub", "imul", "itruediv")
+    if not in_place or not node.args:
         return None
     first = node.args[0]
     return first if isinstance(first, fx.Node) else None
@@ -127,7 +131,7 @@ def build_problem(gm: fx.GraphModule) -> tuple[CheckpointProblem, list[fx.Node]]
     infos = []
     for i, node in enumerate(forward):
         info = saved.get(node)
-        mutated = _mutated(node)
+        mutated = _mutated(gm, node)
         infos.append(NodeInfo(
             name=node.name,
             seconds=costs[node].seconds if node in costs else 0.0,

@@ -143,6 +143,13 @@ def _region_allowed(nodes: list[NodeInfo]) -> bool:
     return all(n.recomputable and (n.mutates is None or n.mutates in names) for n in nodes)
 
 
+def _selective_allowed(nodes: list[NodeInfo]) -> bool:
+    """A selective region needs a heavy op to keep, and must not overwrite what it keeps:
+    torch's selective checkpointing refuses a kept output that is later mutated in place."""
+    heavy = {n.name for n in nodes if n.heavy}
+    return bool(heavy) and not any(n.mutates in heavy for n in nodes)
+
+
 def _arcs(problem: CheckpointProblem, starts: list[int], max_region_atoms: int,
           modes: tuple[str, ...]) -> list[list[_Arc]]:
     """Arcs leaving each boundary: one normal atom, and region runs of up to max atoms."""
@@ -155,7 +162,7 @@ def _arcs(problem: CheckpointProblem, starts: list[int], max_region_atoms: int,
             if not _region_allowed(nodes):
                 break
             for mode in modes:
-                if mode == SELECTIVE and not any(n.heavy for n in nodes):
+                if mode == SELECTIVE and not _selective_allowed(nodes):
                     continue
                 leaving[a].append(_arc(problem, bounds[a], bounds[b], mode))
     return leaving
@@ -294,7 +301,7 @@ class _Search:
                          if v not in state and v not in self.long_lived)
             charge += sum(values[n.name] for n in self.problem.nodes[arc.lo:arc.hi]
                           if n.name in self.long_lived)
-            return charge, charge + arc.working + max(self.floor[arc.lo:arc.hi])
+            return charge, charge + arc.working + max(self.floor[arc.lo:arc.hi], default=0)
         seen, charge, need = set(state), 0, 0
         for i in range(arc.lo, arc.hi):
             node = self.problem.nodes[i]

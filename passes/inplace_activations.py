@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.utils._pytree import tree_map_only
 
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.meta import placeholder_values, refresh_meta
@@ -152,7 +153,7 @@ def _safe(node: fx.Node, source: fx.Node, order: dict[fx.Node, int], aliases: di
 def inplace_activations(gm: fx.GraphModule, *, train: bool = True) -> PassResult:
     """Rewrite safe activation call sites to in-place; see the module docstring for the rules."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    aliases = alias_classes(gm)
+    aliases = alias_classes(gm, either_mode=True)
     saved_by = _saved_by(gm) if train else {}
     rewritten, skipped = [], {}
     for node in list(gm.graph.nodes):
@@ -205,7 +206,12 @@ def _record_rewrite(old: fx.Node, new: fx.Node, source: fx.Node, order: dict, al
 def _saved_by(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]]:
     """value node -> the nodes whose backward saves (an alias of) that value."""
     readers: dict[fx.Node, set[fx.Node]] = {}
-    for node, info in saved_for_backward(gm, placeholder_values(gm)).items():
+    # The optimized module must also be right when its inputs require grad (it is a layer of a
+    # bigger model, or the verifier asks for input gradients): ask autograd as if they did, which
+    # saves a superset of what it saves for inputs that do not.
+    inputs = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(
+        t.is_floating_point() or t.is_complex()), placeholder_values(gm))
+    for node, info in saved_for_backward(gm, inputs).items():
         for value in info.values:
             readers.setdefault(value, set()).add(node)
     return readers

@@ -53,9 +53,17 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.imatmul, operator.setitem}
 
 
+# Functional norms that update running statistics in place (their arguments 1 and 2) when given
+# them in training: pad_channels writes BatchNorm this way, on padded copies of the buffers.
+_STATISTICS_UPDATERS = {torch.nn.functional.batch_norm, torch.batch_norm,
+                        torch.nn.functional.instance_norm, torch.instance_norm}
+
+
 def has_side_effects(gm: fx.GraphModule, node: fx.Node) -> bool:
     """True when moving ``node`` relative to another such node could change results."""
     if node.op in ("placeholder", "output"):
+        return True
+    if node.op == "call_function" and node.target in _STATISTICS_UPDATERS:
         return True
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
@@ -70,18 +78,22 @@ def has_side_effects(gm: fx.GraphModule, node: fx.Node) -> bool:
     return False
 
 
-def _mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
-    if has_side_effects(gm, node) and node.op != "call_module" and node.args:
-        first = node.args[0]
-        return first if isinstance(first, fx.Node) else None
-    return None
+def _mutated_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """The values ``node`` may overwrite in place."""
+    if not has_side_effects(gm, node) or node.op == "call_module" or not node.args:
+        return []
+    if node.target in _STATISTICS_UPDATERS:
+        stats = [*node.args[1:3], node.kwargs.get("running_mean"), node.kwargs.get("running_var")]
+        return [a for a in stats if isinstance(a, fx.Node)]
+    first = node.args[0]
+    return [first] if isinstance(first, fx.Node) else []
 
 
 def dependencies(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]]:
     """node -> nodes that must run before it (data, side-effect order, readers before writers)."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
-    aliases = alias_classes(gm)
+    aliases = alias_classes(gm, either_mode=True)
     deps: dict[fx.Node, set[fx.Node]] = {n: set(n.all_input_nodes) for n in nodes}
     previous_effect = None
     for node in nodes:
@@ -89,8 +101,7 @@ def dependencies(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]]:
             if previous_effect is not None:
                 deps[node].add(previous_effect)
             previous_effect = node
-        mutated = _mutated_input(gm, node)
-        if mutated is not None:
+        for mutated in _mutated_inputs(gm, node):
             group = {n for n, c in aliases.items() if c == aliases.get(mutated)} | {mutated}
             for member in group:
                 deps[node].update(u for u in member.users if position[u] < position[node])
@@ -204,7 +215,7 @@ def reorder(gm: fx.GraphModule, *, train: bool = True) -> PassResult:
     ``estimate_peak`` (a fake-tensor run of forward and backward each).
     """
     saved = _saved_values(gm, train)
-    aliases = alias_classes(gm)
+    aliases = alias_classes(gm, either_mode=True)
     original_graph = gm.graph
     orders = candidate_orders(gm, saved)
     screened = {name: static_peak(order, aliases, saved) for name, order in orders.items()}
