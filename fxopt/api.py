@@ -14,10 +14,11 @@ from typing import Any
 
 from torch import fx, nn
 
+from fxopt.inputs import check_inputs, refuse_meta_tensors
 from fxopt.measure import measure
 from fxopt.pipeline import Config, PassRequest, run_passes
 from fxopt.report import Report
-from fxopt.step import as_args
+from fxopt.state import preserved_state
 from fxopt.trace import trace
 from fxopt.verify import verify as run_verify
 
@@ -40,14 +41,33 @@ def optimize(
     ("2GiB"), or a fraction of the unoptimized activation memory; it enables checkpointing.
     ``verify``: run the equivalence check and raise ``EquivalenceError`` on any mismatch.
     ``measure_memory``: measure peak memory before and after (real training steps).
+
+    ``example_inputs`` are the *positional* arguments of ``model.forward``: one tensor, or a
+    tuple (or list) with one entry per argument. An entry may itself be a tuple, list or dict of
+    tensors (for a forward that takes a dict, pass ``(inputs_dict,)``), or a plain value (None,
+    bool, int, float, str); plain values, and trailing arguments left out (they take their
+    defaults), are fixed in the optimized module, which checks it is called with the same
+    values. There are no keyword example inputs: pass keyword arguments positionally, in
+    forward's order. A bare dict is refused with an ``InputError``, because it could mean either.
+
+    Errors are ``fxopt.FxoptError`` subclasses: ``InputError`` (not a module, unusable inputs,
+    a model that does not run on them), ``TraceError``, ``ConfigError``, ``BudgetError``,
+    ``PassError`` (a pass crashed: a bug), ``EquivalenceError`` (verification failed: a bug).
+    Whatever happens, the user's model is left as it was: parameters, gradients, buffers,
+    module flags and the RNG state.
     """
     config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir)
     config.resolved()  # fail on a bad pass list before spending time on tracing
-    args = as_args(example_inputs)
-    gm = trace(model, args, leaf_modules=leaf_modules)
-    report = Report(model=type(model).__name__, trace=gm.meta["fxopt_trace"])
-    report.passes = run_passes(gm, config)
-    gm.train(model.training)
+    args = check_inputs(model, example_inputs)
+    if verify or measure_memory:
+        refuse_meta_tensors("verify" if verify else "measure", model, args)
+    # Whatever tracing or a pass does to the user's tensors (a forward run eagerly, a timing
+    # run drawing random numbers, a pass that crashes half-way) is undone here.
+    with preserved_state(model):
+        gm = trace(model, args, leaf_modules=leaf_modules)
+        report = Report(model=type(model).__name__, trace=gm.meta["fxopt_trace"])
+        report.passes = run_passes(gm, config)
+    copy_training_flags(model, gm)
     if verify:
         report.verification = run_verify(model, gm, args, strict=True)
     if measure_memory:
@@ -56,3 +76,14 @@ def optimize(
     gm.fxopt_report = report
     return gm
 
+
+def copy_training_flags(model: nn.Module, gm: fx.GraphModule) -> None:
+    """Give every module of ``gm`` the ``training`` flag of the user's module at the same path
+    (a BatchNorm the user froze in eval stays in eval)."""
+    gm.training = model.training
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name:
+            try:
+                gm.get_submodule(name).training = module.training
+            except AttributeError:  # a pass replaced or removed it; keep its own flag
+                pass

@@ -74,6 +74,22 @@ def training_flags(module: nn.Module, training: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def reparametrized(module: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Inside: ``module``'s parameters and buffers are ``state`` (tied weights stay tied).
+
+    On exit, RNN modules rebuild their ``_flat_weights`` list, which the swap back does not
+    update: it would go on holding the stand-ins (fake tensors) until the next forward.
+    """
+    try:
+        with _reparametrize_module(module, state, tie_weights=True):
+            yield
+    finally:
+        for m in module.modules():
+            if isinstance(m, nn.RNNBase):
+                m._init_flat_weights()
+
+
+@contextlib.contextmanager
 def on_fake_tensors(module: nn.Module, example_inputs: Any) -> Iterator[FakeRun]:
     """Inside: ``module`` computes on fake copies of its state; yields the fake inputs too."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -86,8 +102,7 @@ def on_fake_tensors(module: nn.Module, example_inputs: Any) -> Iterator[FakeRun]
 
     state = {name: convert(t) for name, t in module_state(module).items()}
     inputs = tree_map_only(torch.Tensor, convert, as_args(example_inputs))
-    with preserved_rng(), _reparametrize_module(module, state, tie_weights=True), mode, \
-            RealSizedOutputs():
+    with preserved_rng(), reparametrized(module, state), mode, RealSizedOutputs():
         yield FakeRun(mode, inputs, state)
 
 

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from fxopt.memtrack import LiveStorageTracker
 from fxopt.state import preserved_state
 from fxopt.step import as_args, training_step
+from fxopt.inputs import refuse_meta_tensors
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ def _describe(device: torch.device) -> str:
 
 def _measure(module: nn.Module, example_inputs: Any, mode: str) -> MemoryFigure:
     inputs = as_args(example_inputs)
+    refuse_meta_tensors("measure", module, inputs)
     device = _device(module, inputs)
     seen: set[int] = set()
     params = _unique_bytes(list(module.parameters()), seen)

@@ -16,16 +16,17 @@ as good as that one sample.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map_only
 
+from fxopt.fake_run import reparametrized
 from fxopt.state import preserved_rng
 
 
@@ -67,8 +68,13 @@ class _FakeInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         self.node = n
-        with self.around_node(n) if self.around_node else contextlib.nullcontext():
-            result = super().run_node(n)
+        try:
+            with self.around_node(n) if self.around_node else contextlib.nullcontext():
+                result = super().run_node(n)
+        except Exception as error:
+            if not hasattr(error, "_fxopt_node"):
+                error._fxopt_node = n  # type: ignore[attr-defined]  # for fxopt.trace's message
+            raise
         if n.op == "get_attr":  # tracer constants are real tensors; keep meta fake throughout
             result = tree_map_only(torch.Tensor, self._as_fake, result)
         if n.op != "output":
@@ -99,8 +105,21 @@ def propagate_meta(gm: fx.GraphModule, example_inputs: tuple, *,
     real_state = dict(gm.named_parameters(remove_duplicate=False))
     real_state.update(gm.named_buffers(remove_duplicate=False))
     fake_state = {name: mode.from_tensor(t) for name, t in real_state.items()}
-    with preserved_rng(), _reparametrize_module(gm, fake_state, tie_weights=True), mode:
+    with preserved_rng(), reparametrized(gm, fake_state), mode, _fake_kernel_failures_quiet():
         _FakeInterpreter(gm, mode, real_state, around_node).run(*fake_inputs)
+
+
+@contextlib.contextmanager
+def _fake_kernel_failures_quiet() -> Iterator[None]:
+    """FakeTensorMode logs a full traceback for every failing kernel before raising; the error
+    reaches the caller anyway (a leaf then runs for real, or fxopt raises its own error)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def placeholder_values(gm: fx.GraphModule) -> tuple:

@@ -18,7 +18,7 @@ from typing import Any
 from torch import fx
 
 import passes as pass_registry
-from fxopt.errors import ConfigError, FxoptError, PassError
+from fxopt.errors import BudgetError, ConfigError, FxoptError, PassError
 from fxopt.lint import lint_after_pass, snapshot
 
 PassRequest = str | tuple[str, dict[str, Any]]
@@ -154,8 +154,15 @@ def run_passes(gm: fx.GraphModule, config: Config) -> list[PassRecord]:
         start = time.perf_counter()
         try:
             result = spec.run(gm, **options)
-        except FxoptError:
+        except (BudgetError, ConfigError, PassError):
             raise
+        except FxoptError as error:
+            # e.g. an InputError from an analysis a pass ran: the user's inputs were checked
+            # when tracing, so inside a pass it is the pass's failure, not the user's
+            raise PassError(f"pass {spec.name!r} failed: {type(error).__name__}: {error.what}",
+                            where=where + (f"; {error.where}" if error.where else ""),
+                            hint=f"leave it out (passes=[...] without {spec.name!r}) and report "
+                            "the bug with the traceback (CLI: --debug)") from error
         except TypeError as error:
             raise ConfigError(f"bad options {options} for pass {spec.name!r}: {error}",
                               where=where, hint=f"see help(passes.{spec.name})") from error

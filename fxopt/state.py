@@ -1,8 +1,10 @@
 """Snapshot and restore everything a training step changes, so fxopt never leaves a trace.
 
 ``preserved_state(*modules)`` restores, on exit: every parameter's ``.grad`` (the same tensor
-object or None, as before), every buffer's *values* (BatchNorm running stats, counters), each
-module's ``training`` flag, and the CPU and CUDA RNG states. It is what lets ``verify`` and
+object or None, as before), every buffer's *values* (BatchNorm running stats, counters), the
+parameter and buffer *objects* each module holds (a forward that does ``self.count = self.count +
+1`` replaces its buffer: the original object is put back), each module's ``training`` flag, and
+the CPU and CUDA RNG states. It is what lets ``verify`` and
 ``measure`` run real training steps on the user's own Parameter objects.
 """
 
@@ -40,10 +42,15 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
     grads = [p.grad for p in params]
     buffer_values = [b.detach().clone() for b in buffers]
     flags = [(m, m.training) for module in modules for m in module.modules()]
+    held = [(m, dict(m._parameters), dict(m._buffers))
+            for module in modules for m in module.modules()]
     try:
         with preserved_rng():
             yield
     finally:
+        for m, parameters, buffers_held in held:
+            m._parameters.update(parameters)
+            m._buffers.update(buffers_held)
         with torch.no_grad():
             for p, g in zip(params, grads):
                 p.grad = g

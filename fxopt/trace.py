@@ -11,27 +11,40 @@ a proxy, ...) are kept as opaque leaf calls: the tracer retries with the innermo
 as a leaf until the trace succeeds, and records each fallback with its reason. Only when the root's
 own ``forward`` cannot be traced does it raise ``TraceError``.
 
-Not handled: keyword-only example inputs and dict inputs (pass positional tensors), and models
-whose forward reads module attributes that are not registered submodules.
+Example inputs are forward's positional arguments: a tensor, or a tuple/list of them, where an
+argument may also be a tuple, list or dict of tensors, or a plain value (None, bool, int, float,
+str). Plain values and the parameters left out at the end (which take their defaults) are
+specialised: the traced module asserts it gets the same value. A bare dict is refused as
+ambiguous (see ``check_inputs``).
+
+Code that depends on ``self.training`` is traced in both modes: see ``fxopt.mode_dispatch``.
+A model whose forward returns an ``OrderedDict`` returns one from the traced module too.
+
+Not handled: keyword-only arguments without defaults, and models whose forward reads module
+attributes that are not registered submodules.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import time
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch import fx, nn
 
-from fxopt.errors import InputError, TraceError
-from fxopt.meta import propagate_meta
-from fxopt.step import as_args
-
-_TORCH_DIR = str(Path(torch.__file__).parent)
+from fxopt.errors import TraceError
+from fxopt.inputs import check_inputs, concrete_args
+from fxopt.mode_dispatch import install_eval_graph, same_graph
+from fxopt.regions import CheckpointedRegion, call_region
+from fxopt.trace_checks import (
+    check_state_kept,
+    propagate_meta_explained,
+    root_failure_hint,
+    user_checkpoints_refused,
+    user_frame,
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,8 @@ class LeafFallback:
 class TraceInfo:
     leaves: list[LeafFallback] = field(default_factory=list)
     seconds: float = 0.0
+    # True when forward's Python code depends on self.training (see fxopt.mode_dispatch)
+    mode_dependent: bool = False
 
 
 def structural_copy(model: nn.Module) -> nn.Module:
@@ -78,9 +93,15 @@ class _FallbackTracer(fx.Tracer):
     """A tracer that treats ``forced_leaves`` as leaves and remembers the innermost failing module."""
 
     def __init__(self, forced_leaves: set[str]):
-        super().__init__()
+        # A graph fxopt already checkpointed calls call_region(self._fxopt_region_0, ...):
+        # recorded as that call, not traced through (which would drop the checkpointing).
+        super().__init__(autowrap_functions=(call_region,))
         self.forced_leaves = forced_leaves
         self.record_stack_traces = True
+        # Buffers as graph values too (fx proxies only parameters by default): otherwise an
+        # in-place update in forward (self.count.add_(1)) runs once, eagerly, on the user's
+        # buffer while tracing, and is missing from the graph.
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.forced_leaves or super().is_leaf_module(
@@ -95,31 +116,17 @@ class _FallbackTracer(fx.Tracer):
                 error._fxopt_failed_module = self.path_of_module(m)  # type: ignore[attr-defined]
             raise
 
-
-def _user_frame(error: BaseException) -> str:
-    """The innermost traceback frame outside torch: where in the user's code tracing failed."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not f.filename.startswith(_TORCH_DIR) and "/fxopt/" not in f.filename]
-    if not frames:
-        return "unknown source line"
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
-
-
-def _check_inputs(model: Any, example_inputs: Any) -> tuple:
-    if not isinstance(model, nn.Module):
-        raise InputError(
-            f"fxopt needs a torch.nn.Module, got {type(model).__name__}",
-            hint="pass the model object itself (e.g. fxopt.optimize(MyNet(), inputs)).",
-        )
-    args = as_args(example_inputs)
-    if not args or not all(isinstance(a, torch.Tensor) for a in args):
-        kinds = ", ".join(type(a).__name__ for a in args) or "nothing"
-        raise InputError(
-            f"example inputs must be a tensor or a tuple of tensors, got ({kinds})",
-            hint="pass the positional tensors forward() takes, e.g. (torch.randn(8, 3, 224, 224),).",
-        )
-    return args
+    def create_arg(self, a: Any) -> Any:
+        # fx records every dict as a plain dict; keep OrderedDict (torchvision's segmentation
+        # models and FPN backbones return one) the way fx keeps dataclasses: as a constructor call.
+        if isinstance(a, collections.OrderedDict):
+            return self.create_node("call_function", collections.OrderedDict,
+                                    (super().create_arg(dict(a)),), {})
+        if isinstance(a, CheckpointedRegion):
+            name = next((k for k, v in vars(self.root).items() if v is a), None)
+            if name is not None:
+                return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)
 
 
 def _fetch(module: nn.Module, target: str) -> Any:
@@ -152,21 +159,37 @@ def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
     return gm
 
 
+def _trace_both_modes(shell: nn.Module, forced: set[str], concrete: dict[str, Any]
+                      ) -> tuple[fx.Graph, fx.Graph]:
+    """Trace ``shell`` with every module in train mode, then in eval mode (flags restored)."""
+    flags = [(m, m.training) for m in shell.modules()]
+    try:
+        graphs = []
+        with user_checkpoints_refused():
+            for training in (True, False):
+                shell.train(training)
+                graphs.append(_FallbackTracer(forced).trace(shell, concrete_args=concrete or None))
+        return graphs[0], graphs[1]
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
 def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...] = ()) -> fx.GraphModule:
     """Trace ``model`` into a GraphModule whose nodes carry ``meta["val"]`` (fake tensors).
 
     ``leaf_modules`` names submodules (qualified paths) to keep opaque from the start. The
     returned module's ``meta["fxopt_trace"]`` is a TraceInfo listing every leaf fallback.
     """
-    args = _check_inputs(model, example_inputs)
+    args = check_inputs(model, example_inputs)
+    concrete = concrete_args(model, args)
     start = time.perf_counter()
     forced = set(leaf_modules)
     info = TraceInfo()
     while True:
         shell = structural_copy(model)  # fresh each attempt: a failed trace leaves constants behind
-        tracer = _FallbackTracer(forced)
         try:
-            graph = tracer.trace(shell)
+            graph, eval_graph = _trace_both_modes(shell, forced, concrete)
             break
         except Exception as error:  # torch.fx raises many types; we re-raise all as TraceError
             path = getattr(error, "_fxopt_failed_module", "")
@@ -174,19 +197,54 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
                 raise TraceError(
                     f"torch.fx cannot trace {type(model).__name__}.forward: "
                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
-                    where=f"{path or '<root>'} at {_user_frame(error)}",
-                    hint="move data-dependent Python control flow (if/for on tensor values, "
-                    "int(tensor), iterating a tensor) into a submodule, which fxopt then keeps "
-                    "as an opaque leaf, or pass leaf_modules=(...) naming it.",
+                    where=f"{path or '<root>'} at {user_frame(error)}",
+                    hint=root_failure_hint(error, model),
                 ) from error
             forced.add(path)
             info.leaves.append(LeafFallback(
                 path, type(shell.get_submodule(path)).__name__,
                 f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} "
-                f"({_user_frame(error)})",
+                f"({user_frame(error)})",
             ))
+    check_state_kept(model, shell)
     gm = graph_module_like(shell, graph)
-    propagate_meta(gm, args)
+    _rebind_regions(gm)
+    if not same_graph(graph, eval_graph, shell):
+        _attach_constants(gm, shell, eval_graph)
+        install_eval_graph(gm, eval_graph)
+        info.mode_dependent = True
+    propagate_meta_explained(model, gm, args)
     info.seconds = time.perf_counter() - start
     gm.meta["fxopt_trace"] = info
     return gm
+
+
+def _rebind_regions(gm: fx.GraphModule) -> None:
+    """Checkpointed regions of a re-traced optimized module, running on ``gm``'s own modules.
+
+    The region objects came over from the traced module, their bodies still calling that
+    module's submodules (which ``gm.train()``/``eval()`` would not reach): give each a body
+    built on ``gm``.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(region := _fetch(gm, node.target),
+                                                   CheckpointedRegion):
+            body = fx.GraphModule(gm, region.body.graph, class_name=type(region.body).__name__)
+            object.__setattr__(gm, node.target, CheckpointedRegion(body,
+                                                                    selective=region.selective))
+
+
+def _attach_constants(gm: fx.GraphModule, shell: nn.Module, graph: fx.Graph) -> None:
+    """Tracer-made constants ``graph`` reads, as plain attributes of ``gm`` (not state)."""
+    for node in graph.nodes:
+        if node.op == "get_attr" and not _has_path(gm, node.target):
+            owner_path, _, name = node.target.rpartition(".")
+            object.__setattr__(gm.get_submodule(owner_path), name, _fetch(shell, node.target))
+
+
+def _has_path(module: nn.Module, target: str) -> bool:
+    try:
+        _fetch(module, target)
+        return True
+    except AttributeError:
+        return False

@@ -17,6 +17,12 @@ inputs are cloned, never modified. A candidate parameter or buffer that *is* a r
 is compared under the reference's name; otherwise tensors are matched by their own names, and a
 name on one side only is a ``"structure"`` mismatch.
 
+Differences that are only finite numbers outside the tolerance get a second look in float64
+(:mod:`fxopt.rounding`): if both models agree in float64 and the candidate's float32 results are
+no less accurate than the original's, the differences are rounding (the order of a gradient
+accumulation, amplified by an ill-conditioned BatchNorm) and are listed as ``rounding``, not as
+mismatches.
+
 Never blessed: NaN anywhere (even NaN in both at the same place), infinities that differ, a dtype,
 shape or device change. Integer and bool tensors must match exactly.
 
@@ -33,7 +39,7 @@ import contextlib
 import math
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -48,11 +54,13 @@ from torch.utils._pytree import (
 )
 
 from fxopt.errors import ConfigError, EquivalenceError, FxoptError, InputError
+from fxopt.inputs import refuse_meta_tensors
+from fxopt.rounding import explainable_by_rounding, recheck_in_float64
 from fxopt.state import preserved_state
 from fxopt.step import as_args, backward_from
 
 # dtype -> (rtol, atol); an element passes when
-#     |candidate - reference| <= atol + rtol * |reference|.
+#     |candidate - reference| <= atol * min(1, scale) + rtol * |reference|   (scale: see below).
 # Rewrites may change the order of floating-point reductions (another kernel, a padded matmul), so
 # bit equality is too strict, while every planted bug in tests/test_verify.py moves values by more
 # than 1e-2. Measured on CPU: resnet18 run with channels_last kernels instead of contiguous ones
@@ -71,6 +79,16 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.bfloat16: (5e-2, 5e-2),
 }
 # Complex tensors use the tolerance of their real dtype; every other dtype must match exactly.
+#
+# ``atol`` is scaled down where values are small: an element passes when
+#     |candidate - reference| <= atol * min(1, scale) + rtol * |reference|,
+# with ``scale`` the largest finite magnitude among all tensors of the same kind (all outputs,
+# all parameter gradients, ...) on either side. A fixed atol of 1e-4 would bless anything on
+# tensors of scale 1e-14 (EfficientNet's logits at random init are that small, and a
+# stochastic-depth mask applied in eval mode went unnoticed). The scale is the kind's rather than
+# each tensor's because rounding noise follows the magnitudes flowing through that part of the
+# model: a conv bias followed by BatchNorm has a gradient that is exactly 0 in theory, a sum of
+# O(1) terms cancelling to 0 or to 3e-8 depending on their order. Never looser than the table.
 
 _TABLE_ROWS = 10
 
@@ -98,6 +116,8 @@ class VerifyReport:
     ok: bool
     mismatches: list[Mismatch]
     checked: dict[str, int]
+    # float32 differences shown to be rounding (equal in float64, no less accurate): not failures
+    rounding: list[Mismatch] = field(default_factory=list)
 
     def worst(self) -> list[Mismatch]:
         """Mismatches, the ones that are not a number first, then by largest absolute difference."""
@@ -105,6 +125,11 @@ class VerifyReport:
 
     def __str__(self) -> str:
         counts = ", ".join(f"{n} {kind}" for kind, n in self.checked.items())
+        if self.ok and self.rounding:
+            worst = max(m.max_rel_diff for m in self.rounding)
+            return (f"equivalent: {counts} compared; {len(self.rounding)} float32 difference(s) "
+                    f"(up to {worst:.2g} relative) are rounding: equal in float64, and no less "
+                    "accurate than the original")
         if self.ok:
             return f"equivalent: {counts} compared, all within tolerance"
         lines = [f"NOT equivalent: {len(self.mismatches)} mismatch(es) ({counts} compared)",
@@ -122,12 +147,14 @@ class VerifyReport:
         return {
             "ok": self.ok,
             "checked": dict(self.checked),
-            "mismatches": [
-                {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in asdict(m).items()}
-                for m in self.worst()
-            ],
+            "mismatches": [_mismatch_dict(m) for m in self.worst()],
+            "rounding": [_mismatch_dict(m) for m in self.rounding],
         }
+
+
+def _mismatch_dict(m: Mismatch) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in asdict(m).items()}
 
 
 @dataclass
@@ -151,11 +178,14 @@ def verify(
     check_eval: bool = True,
     check_grads: bool = True,
     strict: bool = False,
+    recheck_float64: bool = True,
 ) -> VerifyReport:
     """Compare one training step (and one eval forward) of ``candidate`` against ``reference``.
 
     ``tolerances`` overrides :data:`DEFAULT_TOLERANCES` per dtype. ``strict=True`` raises
     :class:`~fxopt.errors.EquivalenceError` (carrying the report as ``.report``) on any mismatch.
+    ``recheck_float64``: when the only differences are finite numbers, decide in float64 whether
+    they are rounding (see :mod:`fxopt.rounding`); the report lists them under ``rounding``.
     """
     args = _checked_inputs(reference, candidate, example_inputs)
     tols = _merged_tolerances(tolerances)
@@ -163,6 +193,18 @@ def verify(
     records = [_record(m, (reference, candidate), args, seed, check_grads, check_eval, canonical)
                for m in (reference, candidate)]
     report = _compare_records(*records, tols, check_grads, check_eval)
+    if not report.ok and recheck_float64 and explainable_by_rounding(report.mismatches):
+        def run(ref: nn.Module, cand: nn.Module, inputs: tuple) -> list[_Record]:
+            names = {id(t): n for n, t in [*ref.named_parameters(), *ref.named_buffers()]}
+            return [_record(m, (ref, cand), inputs, seed, check_grads, check_eval, names)
+                    for m in (ref, cand)]
+
+        equal, mismatches = recheck_in_float64(
+            reference, candidate, args, records, report.mismatches, run,
+            lambda ref, cand: _compare_records(ref, cand, tols, check_grads, check_eval))
+        rounding = report.mismatches if equal else []
+        report = VerifyReport(ok=equal, mismatches=[] if equal else mismatches,
+                              checked=report.checked, rounding=rounding)
     if strict and not report.ok:
         raise _equivalence_error(report)
     return report
@@ -184,6 +226,7 @@ def _checked_inputs(reference: Any, candidate: Any, example_inputs: Any) -> tupl
     if not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves):
         raise InputError("verify: example_inputs contain no tensor",
                          hint="pass a tensor or a tuple/list/dict of tensors the model accepts")
+    refuse_meta_tensors("verify", reference, args)
     return args
 
 
@@ -352,17 +395,31 @@ def _compare_named(kind: str, ref: dict[str, Any], cand: dict[str, Any], tols: d
     for name in (n for n in cand if n not in ref):
         mismatches.append(_structure(name, f"{kind} only in candidate (not in reference)"))
     common = [name for name in ref if name in cand]
+    scale = _largest_magnitude([*ref.values(), *cand.values()])
     for name in common:
-        found = _compare_value(kind, name, ref[name], cand[name], tols)
+        found = _compare_value(kind, name, ref[name], cand[name], tols, scale)
         if found is not None:
             mismatches.append(found)
     return len(common)
 
 
-def _compare_value(kind: str, name: str, ref: Any, cand: Any, tols: dict) -> Mismatch | None:
+def _largest_magnitude(values: list[Any]) -> float:
+    """The largest finite magnitude among the floating tensors in ``values`` (0 if none)."""
+    largest = 0.0
+    for t in values:
+        if (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+                and t.numel() and t.device.type != "meta"):
+            magnitudes = t.detach().abs().to(torch.float64)
+            largest = max(largest, float(torch.where(torch.isfinite(magnitudes), magnitudes,
+                                                     0.0).max()))
+    return largest
+
+
+def _compare_value(kind: str, name: str, ref: Any, cand: Any, tols: dict,
+                   scale: float) -> Mismatch | None:
     ref_is_tensor, cand_is_tensor = isinstance(ref, torch.Tensor), isinstance(cand, torch.Tensor)
     if ref_is_tensor and cand_is_tensor:
-        return _compare_tensors(kind, name, ref, cand, tols)
+        return _compare_tensors(kind, name, ref, cand, tols, scale)
     if ref_is_tensor or cand_is_tensor:
         sides = ["tensor" if is_tensor else _describe(v)
                  for is_tensor, v in ((ref_is_tensor, ref), (cand_is_tensor, cand))]
@@ -381,7 +438,7 @@ def _describe(value: Any) -> str:
 
 
 def _compare_tensors(kind: str, name: str, ref: torch.Tensor, cand: torch.Tensor,
-                     tols: dict) -> Mismatch | None:
+                     tols: dict, scale: float) -> Mismatch | None:
     def mismatch(detail: str, abs_diff: float = math.inf, rel_diff: float = math.inf,
                  rtol: float = 0.0, atol: float = 0.0) -> Mismatch:
         return Mismatch(kind, name, abs_diff, rel_diff, rtol, atol, detail)
@@ -432,6 +489,7 @@ def _compare_tensors(kind: str, name: str, ref: torch.Tensor, cand: torch.Tensor
         return mismatch(f"{int(outside.sum())} of {b.numel()} elements differ (exact match "
                         f"required for {ref.dtype}); first at index {_position(i, shape)}: "
                         f"reference {_fmt(b[i])} vs candidate {_fmt(a[i])}", max_abs, max_rel)
+    atol = atol * min(1.0, scale)
     excess = torch.where(finite, diff - (atol + rtol * magnitude), -math.inf)
     outside = excess > 0
     if not outside.any():

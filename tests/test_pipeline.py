@@ -5,7 +5,7 @@ import torch
 from torch import fx, nn
 
 import passes as registry
-from fxopt.errors import ConfigError, PassError
+from fxopt.errors import BudgetError, ConfigError, InputError, PassError
 from fxopt.pass_base import PassResult, mark_new
 from fxopt.pipeline import Config, parse_pass_spec, run_passes
 from fxopt.trace import trace
@@ -42,6 +42,14 @@ def _crashes(gm):
     raise RuntimeError("boom")
 
 
+def _analysis_refuses(gm):
+    raise InputError("Net cannot run on fake tensors", where="estimate_peak(Net)")
+
+
+def _over_budget(gm):
+    raise BudgetError("budget 10 bytes cannot be met", hint="raise it")
+
+
 @pytest.fixture
 def fake_registry(monkeypatch):
     specs = {}
@@ -51,6 +59,8 @@ def fake_registry(monkeypatch):
         ("no_provenance", _no_provenance, ()),
         ("lies", _lies_unmodified, ()),
         ("crashes", _crashes, ()),
+        ("refuses", _analysis_refuses, ()),
+        ("over_budget", _over_budget, ()),
         ("checkpoint", _noop, ()),
     ]:
         specs[name] = registry.PassSpec(name, fn, name, default=name in ("first", "double"),
@@ -79,7 +89,8 @@ def test_defaults_aliases_and_order(fake_registry):
     assert [s.name for s, _ in Config(passes="f{scale=2}").resolved()] == ["first"]
     with pytest.raises(ConfigError) as info:
         Config(passes=["double", "first"]).resolved()
-    assert "first, double, no_provenance, lies, crashes, checkpoint" in str(info.value)
+    assert ("first, double, no_provenance, lies, crashes, refuses, over_budget, checkpoint"
+            in str(info.value))
     with pytest.raises(ConfigError, match="unknown pass 'nope'"):
         Config(passes=["nope"]).resolved()
     with pytest.raises(ConfigError, match="twice"):
@@ -109,6 +120,8 @@ def test_run_records_and_numerics(fake_registry, tmp_path):
     ("no_provenance", "no meta\\['fxopt_pass'\\]"),
     ("lies", "modified=False but changed"),
     ("crashes", "crashed: RuntimeError: boom"),
+    # an analysis error inside a pass is the pass's failure, not the user's input's
+    ("refuses", "failed: InputError: Net cannot run on fake tensors"),
 ])
 def test_bad_pass_is_named_with_its_predecessors(fake_registry, bad, message):
     with pytest.raises(PassError, match=message) as info:
@@ -119,3 +132,8 @@ def test_bad_pass_is_named_with_its_predecessors(fake_registry, bad, message):
 def test_bad_option_is_config_error(fake_registry):
     with pytest.raises(ConfigError, match="bad options"):
         run_passes(_gm(), Config(passes=[("first", {"nonsense": 1})]))
+
+
+def test_budget_errors_from_a_pass_reach_the_user_as_they_are(fake_registry):
+    with pytest.raises(BudgetError, match="cannot be met"):
+        run_passes(_gm(), Config(passes=["first", "over_budget"]))

@@ -158,3 +158,126 @@ def test_non_module_is_input_error(bad_model):
 def test_non_tensor_inputs_are_input_error():
     with pytest.raises(InputError, match="tensor"):
         trace(nn.Linear(2, 2), ([1.0, 2.0],))
+
+
+# ---------------------------------------------------------------- both modes, outputs, state
+
+
+class StochasticBlock(nn.Module):
+    """Python code that reads self.training: frozen in whichever mode fx traces it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.training:
+            y = y + F.dropout(y, 0.5, True)
+        return y
+
+
+def test_mode_dependent_forward_keeps_an_eval_graph():
+    from fxopt.mode_dispatch import has_eval_graph
+
+    model, x = StochasticBlock(), torch.randn(3, 4)
+    gm = trace(model, x)
+    assert gm.meta["fxopt_trace"].mode_dependent and has_eval_graph(gm)
+    assert "dropout" in gm.code  # the graph passes rewrite is the train-mode one
+    gm.eval(), model.eval()
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    gm.train(), model.train()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        expected = model(x)
+        torch.manual_seed(0)
+        torch.testing.assert_close(gm(x), expected, rtol=0, atol=0)
+    assert not trace(nn.Linear(4, 4), x).meta["fxopt_trace"].mode_dependent
+
+
+def test_tracer_constants_do_not_make_a_model_mode_dependent():
+    class Constant(nn.Module):
+        def forward(self, x):
+            return x * torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+    assert not trace(Constant(), torch.randn(3, 4)).meta["fxopt_trace"].mode_dependent
+
+
+def test_ordered_dict_output_stays_an_ordered_dict():
+    import collections
+
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return collections.OrderedDict(out=self.lin(x), aux=x)
+
+    out = trace(Returns(), torch.randn(3, 4))(torch.randn(3, 4))
+    assert type(out) is collections.OrderedDict and list(out) == ["out", "aux"]
+
+
+def test_buffer_updated_in_place_is_in_the_graph_and_tracing_leaves_it_alone():
+    class Counts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return x * 2
+
+    model = Counts()
+    gm = trace(model, torch.randn(2))
+    assert model.calls.item() == 0  # not run eagerly while tracing (twice: train and eval)
+    gm(torch.randn(2))
+    assert model.calls.item() == 1  # the graph updates the user's own buffer object
+
+
+def test_buffer_assigned_in_forward_is_a_trace_error():
+    class Reassigns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls = self.calls + 1
+            return x
+
+    with pytest.raises(TraceError, match="assigns a new tensor to buffer 'calls'"):
+        trace(Reassigns(), torch.randn(2))
+
+
+def test_model_that_fails_on_its_inputs_is_an_input_error_with_the_source_line():
+    class Projects(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    with pytest.raises(InputError) as info:
+        trace(Projects(), torch.randn(2, 5))
+    assert "does not run on these example inputs" in str(info.value)
+    assert info.value.where.startswith("node lin (call_module lin) at ")
+    assert "return self.lin(x).relu()" in info.value.where
+
+
+def test_left_out_optional_arguments_take_their_defaults():
+    class Optional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, mask=None):
+            y = self.lin(x)
+            return y if mask is None else y * mask
+
+    x = torch.randn(2, 4)
+    gm = trace(Optional(), x)
+    assert "mul" not in gm.code
+    torch.testing.assert_close(gm(x), gm.lin(x))
+    gm = trace(Optional(), (x, torch.ones(2, 4)))
+    assert "mul" in gm.code

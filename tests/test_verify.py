@@ -360,6 +360,19 @@ def test_float32_default_tolerance_boundary():
     assert m.detail.startswith("1 of 4 elements outside tolerance; worst at index (1, 0)")
 
 
+def test_atol_shrinks_with_the_scale_of_small_tensors():
+    # A 2% change on a tensor of scale 1e-14 (EfficientNet's logits at random init) is far below
+    # the fixed float32 atol of 1e-4, yet it is a different function: it must be caught.
+    tiny = torch.full((2, 2), 3e-14)
+    m = compare(tiny, tiny * 1.02)
+    assert m is not None and m.detail.startswith("4 of 4 elements outside tolerance")
+    assert compare(tiny, tiny * (1 + 1e-6)) is None  # reordered-reduction noise still passes
+    _, atol = DEFAULT_TOLERANCES[torch.float32]
+    ones = torch.ones(2, 2)  # scale >= 1: the atol is the table's, not loosened
+    assert compare(ones - 1, ones - 1 + 0.9 * atol) is not None  # scale 0.9 * atol: tiny
+    assert compare(ones, ones + 0.9 * atol) is None
+
+
 def test_integers_and_bools_must_match_exactly():
     loose = {torch.float32: (1.0, 1.0), torch.float64: (1.0, 1.0)}
     m = compare(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4]), tolerances=loose)
@@ -501,3 +514,81 @@ def test_a_crash_names_the_model_and_the_stage(stage, where):
 def test_bad_tolerances_raise_config_error(tolerances):
     with pytest.raises(ConfigError, match="bad tolerance"):
         verify(nn.Linear(4, 3), nn.Linear(4, 3), X, tolerances=tolerances)
+
+
+# ------------------------------------------------------------- rounding vs change of function
+
+
+class Cancels(nn.Module):
+    """``x`` through a float32 cancellation, either lossy ``(x + 1e4) - 1e4`` or exact."""
+
+    def __init__(self, lossy: bool, scale: float = 1.0):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lossy, self.scale = lossy, scale
+
+    def forward(self, x):
+        h = self.lin(x)
+        big = torch.full_like(h, 1e4)
+        return ((h + big) - big if self.lossy else h + (big - big)) * self.scale
+
+
+def test_float32_rounding_that_vanishes_in_float64_is_not_a_mismatch():
+    reference = Cancels(lossy=True)
+    candidate = Cancels(lossy=False)
+    candidate.lin = reference.lin
+    report = verify(reference, candidate, X, check_eval=False)
+    assert report.ok, str(report)
+    assert [m.kind for m in report.rounding] == ["output"]  # 1e-3 off in float32
+    assert "rounding: equal in float64" in str(report)
+    assert verify(reference, candidate, X, check_eval=False, recheck_float64=False).ok is False
+
+
+def test_a_rewrite_that_loses_precision_is_caught_by_the_recheck():
+    reference = Cancels(lossy=False)
+    candidate = Cancels(lossy=True)  # equal in float64, but 1e-3 worse in float32
+    candidate.lin = reference.lin
+    report = verify(reference, candidate, X, check_eval=False)
+    assert not report.ok and report.rounding == []
+    assert "the rewrite loses precision" in report.worst()[0].detail
+
+
+def test_a_change_of_function_is_caught_by_the_recheck():
+    reference = Cancels(lossy=True)
+    candidate = Cancels(lossy=False, scale=1.001)  # float32 noise plus a real 1e-3 change
+    candidate.lin = reference.lin
+    report = verify(reference, candidate, X, check_eval=False)
+    assert not report.ok and report.rounding == []
+    assert "output" in {m.kind for m in report.mismatches}
+    assert not any("loses precision" in m.detail for m in report.mismatches)  # failed in float64
+
+
+def test_atol_scale_is_the_kinds_so_a_cancelled_sum_may_differ_by_rounding():
+    # A conv bias before BatchNorm has a gradient that is 0 in theory: a sum of O(1) terms that
+    # cancels to exactly 0 in one order and to 3e-8 in another. Among outputs of scale 1 that
+    # is rounding; alone, with nothing larger of its kind, it is not distinguishable from a bug.
+    class Pair(nn.Module):
+        def __init__(self, first, second):
+            super().__init__()
+            self.first, self.second = first, second
+
+        def forward(self, x):
+            return self.first.clone(), self.second.clone()
+
+    ones, zeros = torch.ones(3), torch.zeros(3)
+    report = verify(Pair(ones, zeros), Pair(ones, zeros - 3e-8), torch.zeros(1),
+                    check_eval=False, recheck_float64=False)
+    assert report.ok, str(report)
+    assert compare(zeros, zeros - 3e-8, recheck_float64=False) is not None
+
+
+def test_a_model_that_cannot_run_in_float64_keeps_the_float32_verdict_and_says_why():
+    class Float32Only(Cancels):
+        def _apply(self, fn, recurse=True):  # .double() fails, as some custom modules do
+            raise TypeError("no float64 here")
+
+    reference, candidate = Float32Only(lossy=True), Float32Only(lossy=False)
+    candidate.lin = reference.lin
+    report = verify(reference, candidate, X, check_eval=False)
+    assert not report.ok
+    assert "no float64 re-check: TypeError: no float64 here" in report.mismatches[0].detail

@@ -1,0 +1,244 @@
+"""Property: on any random model, optimize() returns a verified-equal module or a BudgetError.
+
+For every combination of registered passes and a random memory budget, ``fxopt.optimize(...,
+verify=True)`` must either return a module equal to the original (outputs, input and parameter
+gradients, buffers, eval outputs: ``verify`` is strict) or raise ``BudgetError`` for a budget it
+cannot meet. Anything else is a bug: an ``EquivalenceError`` (a pass changed the function), a
+``PassError`` (a pass crashed), another fxopt error on a model that is valid by construction, or
+a bare torch exception. In every case the user's model is exactly as before.
+
+Profiles (tests/conftest.py): ``ci`` runs ``CI_EXAMPLES`` reproducible examples;
+``FXOPT_HYPOTHESIS_PROFILE=long`` (benchmarks/fuzz_long.py) runs thousands. The outcome counts
+are printed at the end of the module (``-s``) and written to ``$FXOPT_FUZZ_OUTCOMES`` if set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+import fxopt
+import passes as pass_registry
+from random_models import NetSpec, Op, build, net_specs
+
+PROFILE = os.environ.get("FXOPT_HYPOTHESIS_PROFILE", "ci")
+# ci: about 45 s on 2 shared CPU cores (the budget is 90 s); other profiles: their own count,
+# or FXOPT_FUZZ_EXAMPLES per property (benchmarks/fuzz_long.py)
+CI_EXAMPLES = {"any": 160, "deep": 60}
+
+
+def examples(kind: str):
+    if os.environ.get("FXOPT_FUZZ_EXAMPLES"):
+        return settings(max_examples=int(os.environ["FXOPT_FUZZ_EXAMPLES"]))
+    if PROFILE == "ci":
+        return settings(max_examples=CI_EXAMPLES[kind])
+    return lambda test: test
+
+
+OUTCOMES: Counter[str] = Counter()
+CHANGED_BY: Counter[str] = Counter()  # pass name -> examples where it changed the graph
+
+
+# Options that make a pass act on CPU float32 at all (pad_channels pads only where CUDA
+# kernels gain, unless forced).
+FORCED = {"pad_channels": {"force": True}}
+
+
+def pass_combinations() -> list[list | None]:
+    """``None`` (the default pipeline) and every subset of the registry, in canonical order."""
+    names = pass_registry.canonical_order()
+    subsets = [[(n, FORCED[n]) if n in FORCED else n for n in c]
+               for r in range(len(names) + 1) for c in itertools.combinations(names, r)]
+    return [None, *subsets]
+
+
+def pass_names(pass_list) -> set[str]:
+    """The pass names in a pass list (``None``: the default pipeline)."""
+    if pass_list is None:
+        return {s.name for s in pass_registry.REGISTRY.values() if s.default}
+    return {p if isinstance(p, str) else p[0] for p in pass_list}
+
+
+budgets = st.one_of(
+    st.none(),
+    st.floats(0.75, 1.0),                      # fraction of the activation memory: the small
+    st.floats(0.75, 1.0),                      # models here rarely get far below their peak
+    st.floats(0.01, 0.75),                     # often infeasible (BudgetError)
+    st.integers(1, 2_000_000),                 # bytes: often infeasible
+    st.sampled_from(["64KiB", "1MiB"]),
+)
+
+
+def user_state(model: torch.nn.Module) -> dict:
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "grads": [p.grad for p in model.parameters()],
+        "flags": [m.training for m in model.modules()],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_same_state(before: dict, model: torch.nn.Module) -> None:
+    after = user_state(model)
+    assert before["state"].keys() == after["state"].keys()
+    for key, value in before["state"].items():
+        assert torch.equal(value, after["state"][key]), f"user's {key} changed"
+    assert all(a is b for a, b in zip(before["grads"], after["grads"])), "user's grads changed"
+    assert before["flags"] == after["flags"], "user's module flags changed"
+    assert torch.equal(before["rng"], after["rng"]), "global RNG state changed"
+
+
+def check_optimize(spec, pass_list, budget) -> str:
+    """Run the property on one case; returns the outcome name (or raises AssertionError)."""
+    model, inputs = build(spec)
+    before = user_state(model)
+    try:
+        gm = fxopt.optimize(model, inputs, passes=pass_list, memory_budget=budget, verify=True)
+    except fxopt.BudgetError as error:
+        assert "cannot be met" in str(error) and error.hint, str(error)
+        outcome = "BudgetError"
+    except fxopt.FxoptError as error:
+        raise AssertionError(
+            f"{type(error).__name__} on a valid random model (a bug; reproduce with "
+            f"build({spec!r}) and passes={pass_list!r}, memory_budget={budget!r}):\n{error}"
+        ) from error
+    else:
+        report = gm.fxopt_report.verification
+        assert report is not None and report.ok, str(report)
+        assert list(gm.state_dict()) == list(model.state_dict())
+        outcome = "equal (rounding re-checked)" if report.rounding else "equal"
+        CHANGED_BY.update(r.name for r in gm.fxopt_report.passes if r.modified)
+    assert_same_state(before, model)
+    return outcome
+
+
+_SEEN: dict[str, str] = {}  # hypothesis may draw one case twice; run and count it once
+
+
+def run_case(spec, pass_list, budget) -> None:
+    key = repr((spec, pass_list, budget))
+    if key not in _SEEN:
+        _SEEN[key] = check_optimize(spec, pass_list, budget)
+        OUTCOMES[_SEEN[key]] += 1
+    event(_SEEN[key])
+
+
+@examples("any")
+@given(spec=net_specs(), pass_list=st.sampled_from(pass_combinations()), budget=budgets)
+def test_optimize_is_equal_or_a_budget_error(spec, pass_list, budget):
+    run_case(spec, pass_list, budget)
+
+
+@examples("deep")
+@given(spec=net_specs(min_ops=5, max_ops=12, input_kinds=("image",), chain=True, min_size=6,
+                     heavy=True),
+       pass_list=st.sampled_from([None, *[p for p in pass_combinations()
+                                          if p and "checkpoint" in pass_names(p)]]),
+       budget=st.floats(0.5, 0.98))
+def test_checkpointing_deep_networks_is_equal_or_a_budget_error(spec, pass_list, budget):
+    """Deep conv chains, where checkpointing has activations to save."""
+    run_case(spec, pass_list, budget)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_outcomes():
+    yield
+    total = sum(OUTCOMES.values())
+    print(f"\nfuzz: {total} distinct examples ran (profile {PROFILE}): "
+          + ", ".join(f"{k}={v}" for k, v in sorted(OUTCOMES.items()))
+          + "; graphs changed by: " + ", ".join(f"{k}={v}" for k, v in sorted(CHANGED_BY.items())))
+    path = os.environ.get("FXOPT_FUZZ_OUTCOMES")
+    if path:
+        with open(path, "w") as out:
+            json.dump({"examples": total, "outcomes": dict(OUTCOMES),
+                       "changed_by": dict(CHANGED_BY)}, out)
+
+
+# ------------------------------------------------------------- reproducers of bugs it found
+# Each was a silent mismatch or a crash before its fix; they stay as regression tests.
+
+
+class _NoCompute(torch.nn.Module):
+    def forward(self, x):
+        return (x,)
+
+
+# linear -> ReLU(inplace=True) -> BatchNorm -> scale -> linear, budget 0.53: planning tries a
+# selective region that keeps the linear's output, which the in-place ReLU then overwrites
+_SELECTIVE_MUTATION = NetSpec(
+    input_kind="vector", input_shape=(2, 1), ops=(
+        Op("linear", (0,), (("out", 6), ("bias", True))),
+        Op("act", (1,), (("name", "relu"), ("form", "inplace_module"))),
+        Op("bn", (2,), (("affine", True), ("momentum", 0.1))),
+        Op("scale", (3,)),
+        Op("linear", (4,), (("out", 17), ("bias", False)))),
+    outputs=(5,), output_form="dict", seed=45867)
+
+
+class _TwoReluOnView(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm2d(2, affine=False)
+        self.lin = torch.nn.Linear(114, 3)
+
+    def forward(self, x):
+        y = torch.flatten(self.bn(x), 1)
+        return self.lin(torch.relu(torch.relu(y)).tanh())
+
+
+# three BatchNorms, a residual, a strided conv and two more BatchNorms: with the padded
+# F.batch_norm(x, padded_running_mean, ...) reorder (strategy dfs) hoists the copy_ of the padded
+# statistics back into the buffers above the batch_norm that updates them
+_PADDED_BN_REORDERED = NetSpec(
+    input_kind="image", input_shape=(2, 4, 6, 6), ops=(
+        Op("bn", (0,), (("affine", False), ("momentum", 0.1))),
+        Op("bn", (1,), (("affine", True), ("momentum", 0.1))),
+        Op("bn", (2,), (("affine", False), ("momentum", 0.1))),
+        Op("add", (3, 0)),
+        Op("conv", (4,), (("out", 1), ("k", 1), ("stride", 2), ("groups", 1), ("bias", False))),
+        Op("bn", (5,), (("affine", False), ("momentum", 0.1))),
+        Op("bn", (6,), (("affine", False), ("momentum", 0.1))),
+        Op("reuse", (0,), (("of", 0),)),
+        Op("bn", (8,), (("affine", False), ("momentum", 0.1)))),
+    outputs=(9,), output_form="tuple", seed=0)
+
+
+class _DropoutThenRelu(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop, self.relu = torch.nn.Dropout(0.1), torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.drop(x)) + x  # in eval, relu_(drop(x)) overwrites x itself
+
+
+@pytest.mark.parametrize("bug, model, inputs, options, expected", [
+    ("B1", _NoCompute(), torch.randn(2, 11), {"memory_budget": 1}, "BudgetError"),
+    ("B2", *build(_SELECTIVE_MUTATION), {"passes": ["checkpoint"], "memory_budget": 0.5312},
+     "BudgetError"),
+    ("B4", _TwoReluOnView(), torch.randn(2, 2, 3, 19), {"passes": ["inplace_activations"]},
+     "equal"),
+    ("B6", _DropoutThenRelu(), torch.randn(2, 4), {"passes": ["inplace_activations"]}, "equal"),
+    ("B7", *build(_PADDED_BN_REORDERED),
+     {"passes": [("pad_channels", {"force": True}), "reorder"]}, "equal"),
+])
+def test_fixed_bug_reproducers(bug, model, inputs, options, expected):
+    """B1: the planner crashed on a graph without compute; B2: a selective region kept a value
+    an in-place op then overwrote; B4: two stacked ReLUs made in-place, when the input requires
+    grad; B6: an in-place ReLU after Dropout, which returns its very input in eval mode; B7:
+    reorder hoisted pad_channels' statistics write-back above the batch_norm updating them."""
+    before = user_state(model)
+    if expected == "BudgetError":
+        with pytest.raises(fxopt.BudgetError, match="cannot be met"):
+            fxopt.optimize(model, inputs, **options)
+    else:
+        gm = fxopt.optimize(model, inputs, **options)
+        assert gm.fxopt_report.verification.ok
+    assert_same_state(before, model)
