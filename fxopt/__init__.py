@@ -3,7 +3,9 @@
 Public API only; see README.md for a walkthrough.
 """
 
+from fxopt.analysis import estimate_peak, max_batch_size
 from fxopt.api import optimize
+from fxopt.boxed import release_inputs
 from fxopt.errors import (
     BudgetError,
     ConfigError,
@@ -13,6 +15,8 @@ from fxopt.errors import (
     PassError,
     TraceError,
 )
+# The exporter is fxopt.export.export (the name fxopt.export stays the module).
+from fxopt.export_names import ExportError
 from fxopt.measure import MemoryFigure, MemoryReport, measure, measure_inference, measure_train_step
 from fxopt.pass_base import PassResult
 from fxopt.pipeline import Config
@@ -21,8 +25,8 @@ from fxopt.trace import trace
 from fxopt.verify import VerifyReport, verify
 
 __all__ = [
-    "BudgetError", "Config", "ConfigError", "EquivalenceError", "FxoptError", "InputError",
-    "MemoryFigure", "MemoryReport", "PassError", "PassResult", "Report", "TraceError",
-    "VerifyReport", "measure", "measure_inference", "measure_train_step", "optimize", "trace",
-    "verify",
+    "BudgetError", "Config", "ConfigError", "EquivalenceError", "ExportError", "FxoptError",
+    "InputError", "MemoryFigure", "MemoryReport", "PassError", "PassResult", "Report",
+    "TraceError", "VerifyReport", "estimate_peak", "max_batch_size", "measure",
+    "measure_inference", "measure_train_step", "optimize", "release_inputs", "trace", "verify",
 ]

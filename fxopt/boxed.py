@@ -10,6 +10,10 @@ The returned GraphModule shares ``gm``'s module tree (parameters, buffers, submo
 own) and graph nodes' meta; only the calling convention differs. It saves memory only when the
 caller keeps no reference (``boxed([load_batch()])``), and in training only for inputs autograd
 does not save (an input fed straight to a convolution with trainable weights is saved anyway).
+
+Not handled: a module whose generated code is not plain torch.fx code -- a forward that depends
+on ``self.training`` (``fxopt.mode_dispatch``) or takes pytree-structured arguments -- raises
+``ConfigError`` rather than lose its eval-mode path or its argument handling.
 """
 
 from __future__ import annotations
@@ -17,11 +21,19 @@ from __future__ import annotations
 from torch import fx
 from torch.fx.graph import _BoxedCodeGen
 
+from fxopt.errors import ConfigError
+from fxopt.mode_dispatch import has_eval_graph
 from fxopt.trace import graph_module_like
 
 
 def release_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with the boxed calling convention: ``boxed(inputs_list)`` empties the list."""
+    if type(gm.graph._codegen) is not fx.graph.CodeGen:
+        why = ("its forward depends on self.training (a graph per mode)" if has_eval_graph(gm)
+               else f"its code generator is {type(gm.graph._codegen).__name__}")
+        raise ConfigError(f"release_inputs cannot rewrite {type(gm).__name__}: {why}",
+                          hint="call the module normally; its inputs are then freed when the "
+                          "caller drops them")
     graph = fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)

@@ -26,7 +26,12 @@ from torch import fx, nn
 
 from fxopt.export_names import ExportError, Imports
 from fxopt.export_tree import TreeWriter, called_modules
+from fxopt.mode_dispatch import dispatch_to_method, eval_graph
 from fxopt.regions import CheckpointedRegion
+
+# The method an exported module runs in eval mode when its forward depends on self.training
+# (see fxopt.mode_dispatch): the eval-mode graph, generated like forward.
+EVAL_METHOD = "_forward_eval"
 
 HEADER = '''\
 import importlib.util
@@ -115,12 +120,15 @@ def _fetch(root: nn.Module, target: str) -> object:
     return value
 
 
-def _attach_constants(gm: fx.GraphModule, tree: TreeWriter, regions: dict) -> None:
-    """Tensors the graph reads that are no parameter or buffer (tracer constants)."""
+def _attach_constants(gm: fx.GraphModule, graphs: list[fx.Graph], tree: TreeWriter,
+                      regions: dict) -> None:
+    """Tensors the graphs read that are no parameter or buffer (tracer constants)."""
     known = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or node.target in regions:
+    attached: set[str] = set()
+    for node in (n for graph in graphs for n in graph.nodes):
+        if node.op != "get_attr" or node.target in regions or node.target in attached:
             continue
+        attached.add(node.target)
         value = _fetch(gm, node.target)
         if isinstance(value, nn.Module) or id(value) in known:
             continue
@@ -152,10 +160,12 @@ def generate(gm: fx.GraphModule, class_name: str) -> Generated:
     imports = Imports()
     regions = {n.target: _fetch(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"
                and isinstance(_fetch(gm, n.target), CheckpointedRegion)}
-    tree = TreeWriter(imports, called_modules(gm, [gm.graph, *(r.body.graph
-                                                                for r in regions.values())]))
+    in_eval = eval_graph(gm)
+    graphs = [gm.graph, *([in_eval] if in_eval is not None else [])]
+    tree = TreeWriter(imports, called_modules(gm, [*graphs, *(r.body.graph
+                                                              for r in regions.values())]))
     tree.module(gm)
-    _attach_constants(gm, tree, regions)
+    _attach_constants(gm, graphs, tree, regions)
     classes = []
     for index, (attr, region) in enumerate(regions.items()):
         body = f"_RegionBody{index}"
@@ -163,7 +173,12 @@ def generate(gm: fx.GraphModule, class_name: str) -> Generated:
         runtime_class = imports.reference(type(region), f"region {attr}")
         tree.lines.append(f"object.__setattr__(self, {attr!r}, {runtime_class}({body}(self), "
                           f"selective={bool(region.selective)!r}))")
-    forward = imports.forward_source(gm.graph, "forward")
+    if in_eval is None:
+        forward = imports.forward_source(gm.graph, "forward")
+    else:
+        forward = "\n\n".join([
+            imports.forward_source(dispatch_to_method(gm.graph, EVAL_METHOD), "forward"),
+            imports.forward_source(in_eval, "eval-mode forward", name=EVAL_METHOD)])
     init = ["    def __init__(self):", "        super().__init__()"]
     if tree.constants:
         init.append("        _constants = torch.load(_HERE / 'constants.pt', weights_only=True)")

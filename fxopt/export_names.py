@@ -115,10 +115,11 @@ class Imports:
         self._modules[module_name] = alias
         return alias
 
-    def forward_source(self, graph: fx.Graph, where: str) -> str:
-        """``def forward(self, ...)`` from torch.fx's code generation, indented for a class; the
+    def forward_source(self, graph: fx.Graph, where: str, name: str = "forward") -> str:
+        """``def <name>(self, ...)`` from torch.fx's code generation, indented for a class; the
         globals it uses become module-level names of the generated module."""
         code = graph.python_code(root_module="self")
+        code.src = code.src.replace("def forward(", f"def {name}(", 1)
         for name, obj in code.globals.items():
             if name in FX_BUILTINS or getattr(builtins, name, None) is obj:
                 continue

@@ -1,7 +1,10 @@
 """fxopt.boxed.release_inputs: the forward frees inputs the caller hands over."""
 
+import pytest
 import torch
 from torch import nn
+
+import fxopt
 
 from fxopt.boxed import release_inputs
 from fxopt.memtrack import LiveStorageTracker
@@ -42,3 +45,19 @@ def test_boxed_module_shares_the_users_state_and_computes_the_same():
     assert args == []
     assert [id(p) for p in boxed.parameters()] == [id(p) for p in model.parameters()]
     assert list(boxed.state_dict()) == list(model.state_dict())
+
+
+class _TrainOnlyScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if self.training else y
+
+
+def test_mode_dependent_module_is_refused_not_stripped_of_its_eval_path():
+    gm = fxopt.optimize(_TrainOnlyScale(), (torch.randn(2, 4),), verify=False)
+    with pytest.raises(fxopt.ConfigError, match="depends on self.training"):
+        release_inputs(gm)

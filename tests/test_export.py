@@ -242,3 +242,31 @@ def test_cuda_model_exports_to_cpu_weights_and_loads_on_cuda(tmp_path):
     assert next(exported.parameters()).is_cuda
     with torch.no_grad():
         torch.testing.assert_close(exported.eval()(x), copy.deepcopy(model).eval()(x))
+
+
+class TrainOnlyBranch(nn.Module):
+    """forward's Python code depends on self.training: fxopt keeps a graph per mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        y = self.bn(self.lin(x))
+        if self.training:
+            y = y * 2
+        return nn.functional.dropout(y, 0.3, self.training)
+
+
+def test_mode_dependent_forward_exports_both_graphs(tmp_path):
+    model, x = TrainOnlyBranch(), torch.randn(3, 4)
+    gm = fxopt.optimize(model, (x,), verify=False)
+    assert gm.fxopt_report.trace.mode_dependent
+    result = export(gm, tmp_path / "out", example_inputs=(x,))
+    assert result.verification.ok and result.verification.checked["eval_output"] == 1
+    source = (tmp_path / "out" / "model.py").read_text()
+    assert "fxopt_eval_forward" not in source and "import fxopt" not in source
+    assert "return self._forward_eval(x)" in source
+    loaded = load_exported(tmp_path / "out").load()
+    model.eval(), loaded.eval()
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
