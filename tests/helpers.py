@@ -91,3 +91,16 @@ def check_pass(
         assert measure_train_step(gm, example_inputs).peak_bytes <= measure_train_step(
             reference, example_inputs).peak_bytes
     return gm, result
+
+
+class TiedEmbedding(nn.Module):
+    """A language-model head that reuses the embedding matrix (tied weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.relu(self.emb(tokens)))

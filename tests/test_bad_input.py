@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 import fxopt
 import passes as pass_registry
 from fxopt.pass_base import PassResult
+from helpers import TiedEmbedding
 
 Pair = namedtuple("Pair", "main aux")
 
@@ -209,17 +210,7 @@ def test_outputs_keep_their_container_type(kind, expected):
 
 
 def test_tied_weights_stay_tied():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(10, 6)
-            self.head = nn.Linear(6, 10, bias=False)
-            self.head.weight = self.emb.weight
-
-        def forward(self, tokens):
-            return self.head(torch.relu(self.emb(tokens)))
-
-    model = Tied()
+    model = TiedEmbedding()
     gm = optimize_ok(model, torch.randint(0, 10, (2, 3)))
     assert gm.head.weight is gm.emb.weight is model.emb.weight
 

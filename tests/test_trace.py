@@ -7,6 +7,7 @@ from torch import nn
 
 from fxopt.errors import InputError, TraceError
 from fxopt.trace import structural_copy, trace
+from helpers import TiedEmbedding
 
 
 class DataDependentGate(nn.Module):
@@ -126,17 +127,7 @@ def test_meta_val_on_every_node_is_fake_with_right_shape():
 
 
 def test_tied_weights_stay_tied():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(10, 6)
-            self.head = nn.Linear(6, 10, bias=False)
-            self.head.weight = self.emb.weight
-
-        def forward(self, tokens):
-            return self.head(self.emb(tokens))
-
-    model = Tied()
+    model = TiedEmbedding()
     gm = trace(model, torch.randint(0, 10, (2, 3)))
     assert gm.head.weight is gm.emb.weight is model.emb.weight
     assert list(gm.state_dict()) == list(model.state_dict())
