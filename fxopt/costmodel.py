@@ -46,18 +46,22 @@ def device_rates(device: str = "cpu") -> tuple[float, float]:
     big = torch.empty(8 * 1024 * 1024 // 4, device=dev)
 
     def timed(fn, reps: int) -> float:
+        """The fastest of ``reps`` runs: what the device can do, least disturbed by other load
+        (a mean would make plans depend on what else the machine was doing at that moment)."""
         fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        start = time.perf_counter()
+        best = float("inf")
         for _ in range(reps):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            start = time.perf_counter()
             fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return (time.perf_counter() - start) / reps
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            best = min(best, time.perf_counter() - start)
+        return best
 
-    flops = 2 * 512**3 / timed(lambda: a @ a, 5)
-    bandwidth = 2 * big.numel() * 4 / timed(lambda: big.clone(), 5)
+    flops = 2 * 512**3 / timed(lambda: a @ a, 9)
+    bandwidth = 2 * big.numel() * 4 / timed(lambda: big.clone(), 9)
     return flops, bandwidth
 
 

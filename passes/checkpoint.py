@@ -129,7 +129,8 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     if best is None or best[0] > target:
         smallest = _least_memory_plan(gm, problem, forward, max_region_atoms)
         if smallest is not None and smallest[0] <= target:
-            best = smallest
+            best = _cheapest_fitting(gm, problem, forward, target, smallest,
+                                     target - overhead, max_region_atoms)
     if best is None or best[0] > target:
         smallest_peak = smallest[0] if smallest else peak
         error = BudgetError(
@@ -149,6 +150,32 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
                   "solver_seconds": round(plan.solve_seconds, 3),
                   "seconds": round(time.perf_counter() - started, 3)})
     return PassResult(gm, True, stats)
+
+
+def _cheapest_fitting(gm: fx.GraphModule, problem, forward, target: int,
+                      fitting: tuple[int, CheckpointPlan], failing_budget: int,
+                      max_region_atoms: int, steps: int = 6) -> tuple[int, CheckpointPlan]:
+    """Between a solver budget whose plan fits ``target`` (``fitting``, the least-memory plan)
+    and one whose plan does not, bisect for the largest that fits: it recomputes least.
+
+    Without it a budget just below what the re-solving rounds reach would get the least-memory
+    plan, paying for recomputation the budget does not ask for.
+    """
+    best = fitting
+    low, high = fitting[1].kept_bytes, failing_budget
+    for _ in range(steps):
+        if high - low < 2:
+            break
+        middle = (low + high) // 2
+        plan = plan_checkpoints(problem, middle, max_region_atoms=max_region_atoms)
+        predicted = _predict(gm, forward, plan) if plan is not None else None
+        if predicted is not None and predicted <= target:
+            low = middle
+            if plan.extra_seconds < best[1].extra_seconds:
+                best = (predicted, plan)
+        else:
+            high = middle
+    return best
 
 
 def _least_memory_plan(gm: fx.GraphModule, problem, forward, max_region_atoms: int
