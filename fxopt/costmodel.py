@@ -1,11 +1,16 @@
-"""How long each forward node takes: a roofline estimate calibrated once on the device.
+"""How long each forward node takes: measured once on the device, or a roofline estimate.
 
-``node_costs(gm)`` counts each node's FLOPs with ``torch.utils.flop_counter.FlopCounterMode``
-during a fake-tensor run (so no compute), and its memory traffic as the bytes of its tensor inputs
-and output. Seconds = max(FLOPs / peak FLOP rate, bytes / memory bandwidth), with both rates
-measured once per process and device by ``device_rates`` (a matmul and a large copy, a few tens of
-milliseconds). Only *relative* costs matter to the checkpoint planner, and a roofline ranks a
-convolution against a BatchNorm the right way round.
+``node_costs(gm)`` takes each node's time from one real profile of the forward
+(``fxopt.node_timing``) where the graph can run on random inputs; otherwise, and for FLOPs and
+bytes always, from the roofline below.
+
+The roofline counts each node's FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` during a
+fake-tensor run (so no compute), and its memory traffic as the bytes of its tensor inputs and
+output. Seconds = max(FLOPs / peak FLOP rate, bytes / memory bandwidth), with both rates measured
+once per process and device by ``device_rates`` (a matmul and a large copy, a few tens of
+milliseconds). It ranks a convolution against a BatchNorm the right way round but is far off on
+a CPU for memory-bound ops (resnet50, 8x3x128x128, one thread: a training-mode BatchNorm 8x and
+a max-pool 40x slower than the roofline says), hence the profile.
 
 A node is *heavy* when FlopCounterMode counts FLOPs for it: exactly the convolutions, matmuls
 and attention kernels that selective recomputation keeps.
@@ -25,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_leaves
 
 from fxopt.meta import placeholder_values, propagate_meta
+from fxopt.node_timing import forward_seconds
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,11 @@ def _tensor_bytes(values: object) -> int:
                if isinstance(t, torch.Tensor))
 
 
-def node_costs(gm: fx.GraphModule) -> dict[fx.Node, NodeCost]:
-    """Forward cost of every call node (placeholders, get_attr and output cost nothing)."""
+def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, NodeCost]:
+    """Forward cost of every call node (placeholders, get_attr and output cost nothing).
+
+    ``profile=False``: roofline seconds only (no real compute at all).
+    """
     flops: dict[fx.Node, int] = {}
 
     @contextlib.contextmanager
@@ -84,6 +93,7 @@ def node_costs(gm: fx.GraphModule) -> dict[fx.Node, NodeCost]:
     propagate_meta(gm, placeholder_values(gm), around_node=count)
     device = _graph_device(gm)
     flop_rate, byte_rate = device_rates(device)
+    measured = forward_seconds(gm) if profile else {}
     costs = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
@@ -91,7 +101,8 @@ def node_costs(gm: fx.GraphModule) -> dict[fx.Node, NodeCost]:
         moved = _tensor_bytes([a.meta.get("val") for a in node.all_input_nodes]) + _tensor_bytes(
             node.meta.get("val"))
         f = flops.get(node, 0)
-        costs[node] = NodeCost(f, moved, max(f / flop_rate, moved / byte_rate))
+        roofline = max(f / flop_rate, moved / byte_rate)
+        costs[node] = NodeCost(f, moved, measured.get(node, roofline))
     return costs
 
 
