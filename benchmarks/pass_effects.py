@@ -21,6 +21,7 @@ import torch
 import models_zoo
 from fxopt.api import optimize
 from fxopt.bench import timed_against
+from fxopt.errors import BudgetError
 from fxopt.measure import format_bytes, measure
 from fxopt.trace import trace
 
@@ -59,7 +60,11 @@ def main() -> int:
         print(f"{name:<18}{'(traced original)':<52}{format_bytes(before.train.peak_bytes):>10}"
               f"{'':>7}{format_bytes(before.inference.peak_bytes):>10}{'':>7}{1.0:>8.3f}", flush=True)
         for passes in stages(args.budget):
-            gm = optimize(model, inputs, passes=passes)
+            try:
+                gm = optimize(model, inputs, passes=passes)
+            except BudgetError as error:
+                print(f"{'':<18}{label(passes):<52}  {str(error).splitlines()[0]}", flush=True)
+                continue
             after = measure(gm, inputs)
             seconds, base = timed_against(original, gm, inputs, args.repeats)
             changed = ",".join(r.name.split("_")[0] for r in gm.fxopt_report.passes if r.modified)
