@@ -17,6 +17,8 @@ tiny and the step count small: the cost is two Python processes importing torch.
 from __future__ import annotations
 
 import copy
+import datetime
+import gc
 
 import torch
 import torch.distributed as dist
@@ -67,13 +69,16 @@ def train(model: nn.Module, rank: int, static_graph: bool = False) -> dict[str, 
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    del ddp, optimizer  # release the reducer's gloo work before the process group goes
+    gc.collect()
+    return state
 
 
 def _worker(rank: int, init_file: str, export_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
         optimized = fxopt.optimize(make_model(), batch(0, 0), memory_budget=BUDGET, verify=False)
         regions = [r for r in optimized.fxopt_report.passes if r.name == "checkpoint"]
@@ -94,6 +99,7 @@ def _worker(rank: int, init_file: str, export_dir: str) -> None:
         gathered = [torch.empty_like(flat) for _ in range(WORLD)]
         dist.all_gather(gathered, flat)
         torch.testing.assert_close(gathered[0], gathered[1])
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
 
