@@ -110,11 +110,15 @@ def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
     return True
 
 
-def build_problem(gm: fx.GraphModule) -> tuple[CheckpointProblem, list[fx.Node]]:
-    """The solver's view of ``gm``, and the forward nodes in the order the problem lists them."""
+def build_problem(gm: fx.GraphModule, *, profile: bool = True
+                  ) -> tuple[CheckpointProblem, list[fx.Node]]:
+    """The solver's view of ``gm``, and the forward nodes in the order the problem lists them.
+
+    ``profile=False`` costs nodes by the roofline alone (``fxopt.costmodel.node_costs``).
+    """
     rep = representatives(gm)
     saved = saved_for_backward(gm, placeholder_values(gm))
-    costs = node_costs(gm)
+    costs = node_costs(gm, profile=profile)
     forward = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
     value_bytes: dict[str, int] = {}
     for node in forward:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import fxopt
+import fxopt.costmodel
 import fxopt.regions
 from fxopt.errors import BudgetError
 from fxopt.measure import measure_train_step
@@ -130,3 +131,19 @@ def test_inference_does_not_checkpoint(model_and_input):
     with torch.no_grad():
         torch.testing.assert_close(gm(x), model(x))
     model.train()
+
+
+def test_roofline_costs_run_no_compute_and_plan_the_same_every_time(model_and_input, monkeypatch):
+    """``profile=False``: one plan on every run (and every DDP rank), nothing timed for real."""
+    def no_timing(gm):
+        raise AssertionError("profile=False must not time nodes on the device")
+
+    monkeypatch.setattr(fxopt.costmodel, "forward_seconds", no_timing)
+    model, x = model_and_input
+    graphs = [fxopt.optimize(model, x, passes=[("checkpoint", {"budget": 0.5, "profile": False})])
+              for _ in range(2)]
+    assert all(gm.fxopt_report.passes[0].modified for gm in graphs)
+    assert graphs[0].code == graphs[1].code
+    bodies = [[str(m.body.graph) for _, m in sorted(vars(gm).items())
+               if isinstance(m, fxopt.regions.CheckpointedRegion)] for gm in graphs]
+    assert bodies[0] and bodies[0] == bodies[1]
