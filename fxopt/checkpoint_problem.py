@@ -16,6 +16,7 @@ from fxopt.memtrack import allocated_bytes
 from fxopt.meta import placeholder_values
 from fxopt.regions import call_region
 from fxopt.solver import CheckpointProblem, NodeInfo
+from fxopt.writes import overwritten_inputs
 
 _CALL_OPS = ("call_function", "call_method", "call_module")
 
@@ -37,20 +38,6 @@ def representatives(gm: fx.GraphModule) -> dict[fx.Node, fx.Node | None]:
 def _storage_bytes(node: fx.Node) -> int:
     val = node.meta.get("val")
     return allocated_bytes(val) if isinstance(val, torch.Tensor) else 0
-
-
-def _mutated(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
-    """The input ``node`` overwrites in place (``relu_``, ``inplace=True``, ``+=``), if any."""
-    if node.op == "call_module":
-        in_place = getattr(gm.get_submodule(node.target), "inplace", False) is True
-    else:
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        in_place = (isinstance(name, str) and name.endswith("_") and not name.startswith("_")) or (
-            node.kwargs.get("inplace") is True) or name in ("iadd", "isub", "imul", "itruediv")
-    if not in_place or not node.args:
-        return None
-    first = node.args[0]
-    return first if isinstance(first, fx.Node) else None
 
 
 def _first_use_grad_bytes(gm: fx.GraphModule, forward: list[fx.Node]) -> dict[fx.Node, int]:
@@ -135,7 +122,7 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True
     infos = []
     for i, node in enumerate(forward):
         info = saved.get(node)
-        mutated = _mutated(gm, node)
+        mutated = next(iter(overwritten_inputs(gm, node)), None)
         infos.append(NodeInfo(
             name=node.name,
             seconds=costs[node].seconds if node in costs else 0.0,

@@ -19,7 +19,6 @@ Not handled: moving work across an opaque leaf module, and any gain that needs r
 from __future__ import annotations
 
 import heapq
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from fxopt.analysis import alias_classes, estimate_peak, saved_for_backward
 from fxopt.meta import placeholder_values
 from fxopt.pass_base import PassResult
 from fxopt.trace import graph_module_like
+from fxopt.writes import overwritten_inputs
 
 PASS_NAME = "reorder"
 
@@ -47,46 +47,15 @@ _RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.bernoulli, to
                      torch.dropout, torch.nn.functional.dropout2d, torch.nn.functional.alpha_dropout}
 
 
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-                      operator.imatmul, operator.setitem}
-
-
-# Functional norms that update running statistics in place (their arguments 1 and 2) when given
-# them in training: pad_channels writes BatchNorm this way, on padded copies of the buffers.
-_STATISTICS_UPDATERS = {torch.nn.functional.batch_norm, torch.batch_norm,
-                        torch.nn.functional.instance_norm, torch.instance_norm}
-
-
 def has_side_effects(gm: fx.GraphModule, node: fx.Node) -> bool:
     """True when moving ``node`` relative to another such node could change results."""
     if node.op in ("placeholder", "output"):
         return True
-    if node.op == "call_function" and node.target in _STATISTICS_UPDATERS:
+    if overwritten_inputs(gm, node):
         return True
     if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        return not isinstance(module, _PURE_MODULES) or bool(getattr(module, "inplace", False))
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return (node.target in _RANDOM_FUNCTIONS or node.target in _INPLACE_OPERATORS
-                or node.kwargs.get("inplace") is True
-                or (name.endswith("_") and not name.startswith("_")))
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.startswith("_")
-    return False
-
-
-def _mutated_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
-    """The values ``node`` may overwrite in place."""
-    if not has_side_effects(gm, node) or node.op == "call_module" or not node.args:
-        return []
-    if node.target in _STATISTICS_UPDATERS:
-        stats = [*node.args[1:3], node.kwargs.get("running_mean"), node.kwargs.get("running_var")]
-        return [a for a in stats if isinstance(a, fx.Node)]
-    first = node.args[0]
-    return [first] if isinstance(first, fx.Node) else []
+        return not isinstance(gm.get_submodule(node.target), _PURE_MODULES)
+    return node.op == "call_function" and node.target in _RANDOM_FUNCTIONS
 
 
 def dependencies(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]]:
@@ -101,7 +70,7 @@ def dependencies(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]]:
             if previous_effect is not None:
                 deps[node].add(previous_effect)
             previous_effect = node
-        for mutated in _mutated_inputs(gm, node):
+        for mutated in overwritten_inputs(gm, node):
             group = {n for n, c in aliases.items() if c == aliases.get(mutated)} | {mutated}
             for member in group:
                 deps[node].update(u for u in member.users if position[u] < position[node])

@@ -104,6 +104,28 @@ def test_rng_consumers_keep_their_relative_order():
     assert verify(model, gm, (x,)).ok  # same masks, so the same outputs and gradients
 
 
+class ReadThenReluInPlace(nn.Module):
+    """``x * 2`` reads ``x`` before an ``nn.ReLU(inplace=True)`` overwrites it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, inp):
+        x = self.conv(inp)
+        doubled = x * 2
+        return doubled + self.relu(x)
+
+
+def test_an_in_place_module_stays_after_every_earlier_reader_of_its_input():
+    gm = trace(ReadThenReluInPlace(), (torch.randn(1, 3, 4, 4),))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert nodes["mul"] in dependencies(gm)[nodes["relu"]]
+    for name, order in candidate_orders(gm, set()).items():
+        assert order.index(nodes["mul"]) < order.index(nodes["relu"]), name
+
+
 def test_static_peak_counts_a_storage_once_and_keeps_saved_values():
     model, x = TwoBranches(), torch.randn(2, 8, 64)
     gm = trace(model, (x,))

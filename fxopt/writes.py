@@ -1,0 +1,54 @@
+"""Which graph values a node overwrites in place: one answer for every pass that moves or
+recomputes nodes.
+
+``overwritten_inputs(gm, node)`` lists the argument nodes whose storage ``node`` writes:
+
+- a module called with ``inplace=True`` set on it (``nn.ReLU(inplace=True)``): its input;
+- ``relu_``, ``x.add_(...)``, ``F.relu(x, inplace=True)``, ``x += y``, ``x[i] = v``: the first
+  argument;
+- ``F.batch_norm`` / ``F.instance_norm`` given running statistics: those buffers, which they
+  update in training (``pad_channels`` writes BatchNorm this way, on padded copies).
+
+Decided from the call alone (names and flags), not from a run: an in-place op whose name does not
+end in ``_`` and is not listed here is not seen. Opaque modules that mutate their inputs without
+an ``inplace`` attribute are not seen either; callers that reorder treat every module they do not
+know as a side effect anyway.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift, operator.imatmul, operator.setitem})
+
+# Functional norms that update the running statistics they are given (arguments 1 and 2).
+STATISTICS_UPDATERS = frozenset({torch.nn.functional.batch_norm, torch.batch_norm,
+                                 torch.nn.functional.instance_norm, torch.instance_norm})
+
+
+def _trailing_underscore(name: object) -> bool:
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+
+
+def overwritten_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """The argument nodes whose values ``node`` overwrites in place (see the module doc)."""
+    if node.op == "call_module":
+        writes_first = getattr(gm.get_submodule(node.target), "inplace", False) is True
+    elif node.op == "call_function" and node.target in STATISTICS_UPDATERS:
+        stats = [*node.args[1:3], node.kwargs.get("running_mean"), node.kwargs.get("running_var")]
+        return [a for a in stats if isinstance(a, fx.Node)]
+    elif node.op == "call_function":
+        writes_first = (node.target in INPLACE_OPERATORS or node.kwargs.get("inplace") is True
+                        or _trailing_underscore(getattr(node.target, "__name__", "")))
+    elif node.op == "call_method":
+        writes_first = _trailing_underscore(node.target)
+    else:
+        return []
+    first = node.args[0] if writes_first and node.args else None
+    return [first] if isinstance(first, fx.Node) else []
