@@ -19,6 +19,7 @@ Names are described in ``fxopt.export_names``, the tree in ``fxopt.export_tree``
 from __future__ import annotations
 
 import keyword
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -113,13 +114,6 @@ def python_identifier(name: str) -> str:
     return f"Exported{cleaned}" if clashes else cleaned
 
 
-def _fetch(root: nn.Module, target: str) -> object:
-    value: object = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def _attach_constants(gm: fx.GraphModule, graphs: list[fx.Graph], tree: TreeWriter,
                       regions: dict) -> None:
     """Tensors the graphs read that are no parameter or buffer (tracer constants)."""
@@ -129,7 +123,7 @@ def _attach_constants(gm: fx.GraphModule, graphs: list[fx.Graph], tree: TreeWrit
         if node.op != "get_attr" or node.target in regions or node.target in attached:
             continue
         attached.add(node.target)
-        value = _fetch(gm, node.target)
+        value = operator.attrgetter(node.target)(gm)
         if isinstance(value, nn.Module) or id(value) in known:
             continue
         if not isinstance(value, torch.Tensor):
@@ -158,8 +152,9 @@ def _region_class(attr: str, region: CheckpointedRegion, name: str, imports: Imp
 def generate(gm: fx.GraphModule, class_name: str) -> Generated:
     """The source of ``model.py`` for ``gm`` and what it needs (see the module docstring)."""
     imports = Imports()
-    regions = {n.target: _fetch(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"
-               and isinstance(_fetch(gm, n.target), CheckpointedRegion)}
+    attributes = {n.target: operator.attrgetter(n.target)(gm) for n in gm.graph.nodes
+                  if n.op == "get_attr"}
+    regions = {t: v for t, v in attributes.items() if isinstance(v, CheckpointedRegion)}
     in_eval = eval_graph(gm)
     graphs = [gm.graph, *([in_eval] if in_eval is not None else [])]
     tree = TreeWriter(imports, called_modules(gm, [*graphs, *(r.body.graph

@@ -22,6 +22,8 @@ with every module in train mode.
 
 from __future__ import annotations
 
+import operator
+
 from typing import Any
 
 import torch
@@ -100,17 +102,13 @@ def _same_target(x: fx.Node, y: fx.Node, root: torch.nn.Module) -> bool:
         return True
     if x.op != "get_attr":
         return False
-    values = [_fetch(root, n.target) for n in (x, y)]
+    try:
+        values = [operator.attrgetter(n.target)(root) for n in (x, y)]
+    except AttributeError:
+        return False
     return (all(isinstance(v, torch.Tensor) for v in values)
             and values[0].shape == values[1].shape and values[0].dtype == values[1].dtype
             and bool(torch.equal(values[0], values[1])))
-
-
-def _fetch(root: torch.nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def install_eval_graph(gm: fx.GraphModule, eval_graph: fx.Graph) -> None:

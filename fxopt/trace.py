@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,12 +130,6 @@ class _FallbackTracer(fx.Tracer):
         return super().create_arg(a)
 
 
-def _fetch(module: nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
-
-
 def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
     """A GraphModule whose module tree *is* ``shell``'s, so state_dict keys and order match.
 
@@ -143,7 +138,8 @@ def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
     (adding state_dict keys). Plain attributes the graph reads stay plain attributes.
     """
     gm = fx.GraphModule(shell, graph, class_name=type(shell).__name__)
-    constants = {n.target: _fetch(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
+    constants = {n.target: operator.attrgetter(n.target)(gm) for n in graph.nodes
+                 if n.op == "get_attr"}
     gm._modules.clear()
     gm._modules.update(shell._modules)
     gm._parameters = copy.copy(shell._parameters)
@@ -227,7 +223,7 @@ def _rebind_regions(gm: fx.GraphModule) -> None:
     built on ``gm``.
     """
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and isinstance(region := _fetch(gm, node.target),
+        if node.op == "get_attr" and isinstance(region := operator.attrgetter(node.target)(gm),
                                                    CheckpointedRegion):
             body = fx.GraphModule(gm, region.body.graph, class_name=type(region.body).__name__)
             object.__setattr__(gm, node.target, CheckpointedRegion(body,
@@ -239,12 +235,13 @@ def _attach_constants(gm: fx.GraphModule, shell: nn.Module, graph: fx.Graph) -> 
     for node in graph.nodes:
         if node.op == "get_attr" and not _has_path(gm, node.target):
             owner_path, _, name = node.target.rpartition(".")
-            object.__setattr__(gm.get_submodule(owner_path), name, _fetch(shell, node.target))
+            value = operator.attrgetter(node.target)(shell)
+            object.__setattr__(gm.get_submodule(owner_path), name, value)
 
 
 def _has_path(module: nn.Module, target: str) -> bool:
     try:
-        _fetch(module, target)
+        operator.attrgetter(target)(module)
         return True
     except AttributeError:
         return False

@@ -142,16 +142,16 @@ def verify(
     """
     args = _checked_inputs(reference, candidate, example_inputs)
     tols = merged_tolerances(tolerances)
-    canonical = {id(t): n for n, t in [*reference.named_parameters(), *reference.named_buffers()]}
-    records = [_record(m, (reference, candidate), args, seed, check_grads, check_eval, canonical)
-               for m in (reference, candidate)]
+
+    def run(ref: nn.Module, cand: nn.Module, inputs: tuple) -> list[_Record]:
+        """Both models' records; shared tensors are named as the reference names them."""
+        canonical = {id(t): n for n, t in [*ref.named_parameters(), *ref.named_buffers()]}
+        return [_record(m, (ref, cand), inputs, seed, check_grads, check_eval, canonical)
+                for m in (ref, cand)]
+
+    records = run(reference, candidate, args)
     report = _compare_records(*records, tols, check_grads, check_eval)
     if not report.ok and recheck_float64 and explainable_by_rounding(report.mismatches):
-        def run(ref: nn.Module, cand: nn.Module, inputs: tuple) -> list[_Record]:
-            names = {id(t): n for n, t in [*ref.named_parameters(), *ref.named_buffers()]}
-            return [_record(m, (ref, cand), inputs, seed, check_grads, check_eval, names)
-                    for m in (ref, cand)]
-
         equal, mismatches = recheck_in_float64(
             reference, candidate, args, records, report.mismatches, run,
             lambda ref, cand: _compare_records(ref, cand, tols, check_grads, check_eval))
