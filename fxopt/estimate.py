@@ -38,7 +38,6 @@ from fxopt.aliases import storage_key, tensors_in
 from fxopt.errors import BudgetError, InputError
 from fxopt.fake_run import on_fake_tensors, opaque_leaves_stood_in, training_flags
 from fxopt.memtrack import LiveStorageTracker
-from fxopt.state import preserved_state
 from fxopt.step import as_args, training_step
 
 
@@ -61,15 +60,8 @@ def _baseline_bytes(state: dict[str, torch.Tensor], inputs: tuple) -> int:
 
 def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], None]
              ) -> tuple[int, int, str]:
-    """(peak bytes, baseline bytes, peak op) of ``step`` run on fakes under the tracker.
-
-    ``preserved_state`` guards the real tensors a fake run could still reach: a GraphModule
-    built with ``fx.GraphModule(root, graph)`` (a checkpointed region's body) holds its own
-    references to root-level parameters, which the swap to fakes does not see, so backward
-    would otherwise leave a gradient on the user's real parameter.
-    """
-    with preserved_state(module), opaque_leaves_stood_in(module), \
-            on_fake_tensors(module, example_inputs) as run:
+    """(peak bytes, baseline bytes, peak op) of ``step`` run on fakes under the tracker."""
+    with opaque_leaves_stood_in(module), on_fake_tensors(module, example_inputs) as run:
         for t in run.state.values():
             t.grad = None
         tracker = LiveStorageTracker()

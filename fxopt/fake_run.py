@@ -73,15 +73,36 @@ def training_flags(module: nn.Module, training: bool) -> Iterator[None]:
             m.training = flag
 
 
+def _region_states(module: nn.Module, state: dict[str, torch.Tensor]
+                   ) -> list[tuple[nn.Module, dict[str, torch.Tensor]]]:
+    """For each checkpointed region body of ``module``: its own names for the stand-ins.
+
+    A body (``fx.GraphModule(root, graph)``) shares the root's submodules, but holds the tensors
+    it reads by ``get_attr`` (a root-level parameter, a weight ``pad_channels`` pads) under its
+    own module tree, which swapping ``module``'s state does not reach.
+    """
+    names = {id(t): name for name, t in module_state(module).items()}
+    bodies = [getattr(value, "body", None) for value in vars(module).values()
+              if type(value).__name__ == "CheckpointedRegion"]
+    return [(body, {name: state[names[id(t)]] for name, t in module_state(body).items()
+                    if names.get(id(t)) in state})
+            for body in bodies if isinstance(body, nn.Module)]
+
+
 @contextlib.contextmanager
 def reparametrized(module: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Inside: ``module``'s parameters and buffers are ``state`` (tied weights stay tied).
+    """Inside: ``module``'s parameters and buffers are ``state`` (tied weights stay tied), in its
+    checkpointed regions' bodies too.
 
     On exit, RNN modules rebuild their ``_flat_weights`` list, which the swap back does not
     update: it would go on holding the stand-ins (fake tensors) until the next forward.
     """
     try:
-        with _reparametrize_module(module, state, tie_weights=True):
+        regions = _region_states(module, state)  # matched by identity, before the swap
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_reparametrize_module(module, state, tie_weights=True))
+            for body, body_state in regions:
+                stack.enter_context(_reparametrize_module(body, body_state, tie_weights=True))
             yield
     finally:
         for m in module.modules():

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
+import fxopt
 import models_zoo
 from fxopt.analysis import (
     alias_classes,
@@ -321,6 +322,29 @@ def test_no_analysis_touches_rng_bn_stats_grads_flags_or_graph():
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     assert all(p.grad is None for p in model.parameters())
     assert gm.code == code and gm.training and all(m.training for m in gm.modules())
+
+
+class RootLevelWeights(nn.Module):
+    """Parameters read by the root's own forward (``get_attr``), not through a submodule call:
+    a checkpointed region's body holds its own references to them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(64, 64) / 8) for _ in range(6)])
+
+    def forward(self, x):
+        for w in self.w:
+            x = torch.tanh(F.linear(x, w))
+        return x
+
+
+def test_estimating_a_checkpointed_module_computes_on_stand_ins_only():
+    model, x = RootLevelWeights(), torch.randn(256, 64)
+    gm = fxopt.optimize(model, x, memory_budget=740_000, verify=False)
+    assert any(name.startswith("_fxopt_region_") for name in vars(gm))
+    estimate_peak(gm, (x,))
+    assert all(p.grad is None for p in model.parameters())
 
 
 # ---------------------------------------------------------------- max_batch_size
