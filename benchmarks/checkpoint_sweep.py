@@ -137,7 +137,7 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
                 # "min" is the least-memory plan: measured recompute times differ a little from
                 # one profile to the next, and with them which of several near-equal plans the
                 # planner settles on; take the smallest peak this optimize run says it reaches.
-                if fraction != "min" or getattr(error, "smallest_bytes", None) is None:
+                if fraction != "min" or error.smallest_bytes is None:
                     raise
                 budget = error.smallest_bytes
                 gm = optimize(model, inputs, memory_budget=budget, verify=not args.predict_only)

@@ -46,4 +46,10 @@ class EquivalenceError(FxoptError):
 
 
 class BudgetError(FxoptError):
-    """A memory budget cannot be met; the message says the smallest achievable peak."""
+    """A memory budget cannot be met; the message says the smallest achievable peak, and
+    ``smallest_bytes`` holds it where the planner knows it (else None)."""
+
+    def __init__(self, what: str, *, where: str | None = None, hint: str | None = None,
+                 smallest_bytes: int | None = None):
+        self.smallest_bytes = smallest_bytes
+        super().__init__(what, where=where, hint=hint)

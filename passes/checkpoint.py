@@ -138,14 +138,13 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
                                      target - overhead, max_region_atoms)
     if best is None or best[0] > target:
         smallest_peak = smallest[0] if smallest else peak
-        error = BudgetError(
+        raise BudgetError(
             f"memory budget {target:,} bytes cannot be met: the smallest predicted training "
             f"peak this pass reaches is {smallest_peak:,} bytes (unoptimized: {peak:,})",
             where=f"checkpoint pass, budget={budget!r}",
             hint=f"raise the budget to at least {smallest_peak:,} bytes, or lower the batch size",
+            smallest_bytes=smallest_peak,
         )
-        error.smallest_bytes = smallest_peak
-        raise error
     predicted, plan = best
     stats["regions"] = apply_plan(gm, forward, plan)
     gm.recompile()

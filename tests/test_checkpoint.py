@@ -74,6 +74,7 @@ def test_impossible_budget_names_the_smallest_peak(model_and_input):
     message = str(info.value)
     assert "smallest predicted training peak" in message
     smallest = int(message.split("reaches is ")[1].split(" bytes")[0].replace(",", ""))
+    assert info.value.smallest_bytes == smallest
     gm = fxopt.optimize(model, x, memory_budget=smallest)  # the quoted figure is achievable
     assert measure_train_step(gm, x).peak_bytes <= smallest
 
