@@ -68,16 +68,12 @@ def build(name: str) -> Any:
 def runs_at(model: Any, size: int) -> bool:
     """Whether a train-mode forward works at ``BATCH x 3 x size x size`` (on fake tensors)."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    state = {k: mode.from_tensor(v) for k, v in
-             [*model.named_parameters(remove_duplicate=False),
-              *model.named_buffers(remove_duplicate=False)]}
+    from fxopt.fake_run import on_fake_tensors
+
     try:
-        with mode:
-            x = torch.empty(BATCH, 3, size, size)
-            torch.func.functional_call(model, state, (x,), tie_weights=True)
+        with on_fake_tensors(model, torch.empty(BATCH, 3, size, size)) as run:
+            model(*run.inputs)
         return True
     except Exception:
         return False
@@ -135,8 +131,8 @@ def run_one(name: str, budget: str | None, max_param_mib: float,
             infer_after=report.memory_after.inference.peak_bytes,
         )
         row["trace"] = "leaves" if report.trace.leaves else "full"
-        row["two_modes"] = getattr(report.trace, "mode_dependent", False)
-        row["rounding"] = len(getattr(report.verification, "rounding", []))
+        row["two_modes"] = report.trace.mode_dependent
+        row["rounding"] = len(report.verification.rounding)
     row["seconds"] = round(time.perf_counter() - started, 1)
     return row
 
