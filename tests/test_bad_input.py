@@ -19,38 +19,9 @@ from torch.utils.checkpoint import checkpoint
 import fxopt
 import passes as pass_registry
 from fxopt.pass_base import PassResult
-from helpers import TiedEmbedding
+from helpers import Snapshot, TiedEmbedding
 
 Pair = namedtuple("Pair", "main aux")
-
-
-class Snapshot:
-    """Everything of the user's model optimize() must leave as it was."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.state = {k: v.clone() for k, v in model.state_dict(keep_vars=True).items()}
-        self.objects = {k: v for k, v in model.state_dict(keep_vars=True).items()}
-        self.grads = {n: p.grad for n, p in model.named_parameters()}
-        self.grad_values = {n: None if g is None else g.clone() for n, g in self.grads.items()}
-        self.flags = {n: m.training for n, m in model.named_modules()}
-        self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
-        self.rng = torch.get_rng_state()
-
-    def assert_unchanged(self) -> None:
-        now = self.model.state_dict(keep_vars=True)
-        assert list(now) == list(self.state)
-        for key, value in now.items():
-            assert value is self.objects[key], f"{key} was replaced"
-            if value.device.type != "meta":
-                assert torch.equal(value, self.state[key]), f"{key} changed"
-        for name, p in self.model.named_parameters():
-            assert p.grad is self.grads[name], f"{name}.grad replaced"
-            if p.grad is not None:
-                assert torch.equal(p.grad, self.grad_values[name]), f"{name}.grad changed"
-        assert {n: m.training for n, m in self.model.named_modules()} == self.flags
-        assert {n: p.requires_grad for n, p in self.model.named_parameters()} == self.requires_grad
-        assert torch.equal(torch.get_rng_state(), self.rng), "global RNG state changed"
 
 
 def optimize_ok(model: nn.Module, inputs, **kwargs) -> torch.fx.GraphModule:

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import fxopt
 import passes as pass_registry
+from helpers import Snapshot
 from random_models import NetSpec, Op, build, net_specs
 
 PROFILE = os.environ.get("FXOPT_HYPOTHESIS_PROFILE", "ci")
@@ -76,29 +77,10 @@ budgets = st.one_of(
 )
 
 
-def user_state(model: torch.nn.Module) -> dict:
-    return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "grads": [p.grad for p in model.parameters()],
-        "flags": [m.training for m in model.modules()],
-        "rng": torch.get_rng_state(),
-    }
-
-
-def assert_same_state(before: dict, model: torch.nn.Module) -> None:
-    after = user_state(model)
-    assert before["state"].keys() == after["state"].keys()
-    for key, value in before["state"].items():
-        assert torch.equal(value, after["state"][key]), f"user's {key} changed"
-    assert all(a is b for a, b in zip(before["grads"], after["grads"])), "user's grads changed"
-    assert before["flags"] == after["flags"], "user's module flags changed"
-    assert torch.equal(before["rng"], after["rng"]), "global RNG state changed"
-
-
 def check_optimize(spec, pass_list, budget) -> str:
     """Run the property on one case; returns the outcome name (or raises AssertionError)."""
     model, inputs = build(spec)
-    before = user_state(model)
+    snapshot = Snapshot(model)
     try:
         gm = fxopt.optimize(model, inputs, passes=pass_list, memory_budget=budget, verify=True)
     except fxopt.BudgetError as error:
@@ -115,7 +97,7 @@ def check_optimize(spec, pass_list, budget) -> str:
         assert list(gm.state_dict()) == list(model.state_dict())
         outcome = "equal (rounding re-checked)" if report.rounding else "equal"
         CHANGED_BY.update(r.name for r in gm.fxopt_report.passes if r.modified)
-    assert_same_state(before, model)
+    snapshot.assert_unchanged()
     return outcome
 
 
@@ -234,11 +216,11 @@ def test_fixed_bug_reproducers(bug, model, inputs, options, expected):
     an in-place op then overwrote; B4: two stacked ReLUs made in-place, when the input requires
     grad; B6: an in-place ReLU after Dropout, which returns its very input in eval mode; B7:
     reorder hoisted pad_channels' statistics write-back above the batch_norm updating them."""
-    before = user_state(model)
+    snapshot = Snapshot(model)
     if expected == "BudgetError":
         with pytest.raises(fxopt.BudgetError, match="cannot be met"):
             fxopt.optimize(model, inputs, **options)
     else:
         gm = fxopt.optimize(model, inputs, **options)
         assert gm.fxopt_report.verification.ok
-    assert_same_state(before, model)
+    snapshot.assert_unchanged()
