@@ -91,9 +91,12 @@ def structural_copy(model: nn.Module) -> nn.Module:
 
 
 class _FallbackTracer(fx.Tracer):
-    """A tracer that treats ``forced_leaves`` as leaves and remembers the innermost failing module."""
+    """A tracer that treats ``forced_leaves`` as leaves and remembers the innermost failing module.
 
-    def __init__(self, forced_leaves: set[str]):
+    Constructible without arguments: ``torch.load`` re-traces a saved GraphModule with its tracer
+    class (every submodule a leaf), so an optimized module saved with ``torch.save`` loads back."""
+
+    def __init__(self, forced_leaves: frozenset[str] | set[str] = frozenset()):
         # A graph fxopt already checkpointed calls call_region(self._fxopt_region_0, ...):
         # recorded as that call, not traced through (which would drop the checkpointing).
         super().__init__(autowrap_functions=(call_region,))
