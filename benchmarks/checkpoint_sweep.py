@@ -12,7 +12,7 @@ reports:
 - ``budget`` and ``measured``: the budget in bytes and the peak of one training step measured by
   ``fxopt.measure`` (exact storage tracking on CPU, the caching allocator on CUDA), both including
   parameters, buffers and inputs; ``over`` flags any overshoot (the target is zero);
-- ``act``: activation memory at the peak, allocator level (``fxopt.allocations``, the method that
+- ``act``: activation memory at the peak, allocator level (``fxopt.measure.allocations``, the method that
   also measures compiled peers): the step's peak above its start minus parameter gradients;
   ``act x``: the unoptimized act over this one (2.5 means 2.5x less);
 - ``time x``: median step time over the original's, timed alternately in the same run;
@@ -38,13 +38,13 @@ import torch
 import models_zoo
 from fxopt.analysis import estimate_peak
 from fxopt.api import optimize
-from fxopt.bench import step_peak_bytes, timed_against
-from fxopt.budget import activation_bytes, budget_fraction, trainable_grad_bytes
-from fxopt.errors import BudgetError
-from fxopt.measure import measure_train_step
-from fxopt.peers import build_peer
-from fxopt.trace import trace
-from fxopt.verify import verify
+from fxopt.bench.runs import step_peak_bytes, timed_against
+from fxopt.planning.budget import activation_bytes, budget_fraction, trainable_grad_bytes
+from fxopt.core.errors import BudgetError
+from fxopt.measure.peaks import measure_train_step
+from fxopt.bench.peers import build_peer
+from fxopt.capture.trace import trace
+from fxopt.verify.equivalence import verify
 
 # Inputs where activations, not weights, dominate a training step, yet a CPU step stays seconds.
 INPUTS = {

@@ -21,7 +21,7 @@ import torch
 
 import models_zoo
 from fxopt.analysis import estimate_peak
-from fxopt.measure import measure_inference, measure_train_step
+from fxopt.measure.peaks import measure_inference, measure_train_step
 
 
 def device_name(device: torch.device) -> str:

@@ -26,9 +26,9 @@ import torch
 
 import models_zoo
 from fxopt.api import optimize
-from fxopt.bench import timed_against
-from fxopt.errors import FxoptError
-from fxopt.trace import trace
+from fxopt.bench.runs import timed_against
+from fxopt.core.errors import FxoptError
+from fxopt.capture.trace import trace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from checkpoint_sweep import device_name  # noqa: E402

@@ -20,10 +20,10 @@ import torch
 
 import models_zoo
 from fxopt.api import optimize
-from fxopt.bench import timed_against
-from fxopt.errors import BudgetError
-from fxopt.measure import format_bytes, measure
-from fxopt.trace import trace
+from fxopt.bench.runs import timed_against
+from fxopt.core.errors import BudgetError
+from fxopt.measure.peaks import format_bytes, measure
+from fxopt.capture.trace import trace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from checkpoint_sweep import device_name  # noqa: E402

@@ -1,28 +1,43 @@
 """fxopt: rewrite PyTorch models with torch.fx to use less memory, and prove they are unchanged.
 
-Public API only; see README.md for a walkthrough.
+Public API only; see README.md for a walkthrough and its architecture section for the layers
+(``core`` -> ``capture`` -> ``analysis`` -> ``planning`` -> ``rewrite`` -> ``verify`` /
+``measure`` -> ``export`` / ``bench`` / ``cli``; ``runtime`` is what optimized modules call).
 """
+
+import importlib as _importlib
+import sys as _sys
 
 from fxopt.analysis import estimate_peak, max_batch_size
 from fxopt.api import optimize
-from fxopt.boxed import release_inputs
-from fxopt.errors import (
+from fxopt.capture.trace import trace
+from fxopt.core.errors import (
     BudgetError,
     ConfigError,
     EquivalenceError,
+    ExportError,
     FxoptError,
     InputError,
     PassError,
     TraceError,
 )
-# The exporter is fxopt.export.export (the name fxopt.export stays the module).
-from fxopt.export_names import ExportError
 from fxopt.measure import MemoryFigure, MemoryReport, measure, measure_inference, measure_train_step
-from fxopt.pass_base import PassResult
-from fxopt.pipeline import Config
-from fxopt.report import Report
-from fxopt.trace import trace
+from fxopt.measure.report import Report
+from fxopt.rewrite.boxed import release_inputs
+from fxopt.rewrite.pass_base import PassResult
+from fxopt.rewrite.pipeline import Config
 from fxopt.verify import VerifyReport, verify
+
+# Modules saved with torch.save before the layered packages name these flat modules (their
+# pickles and generated code import e.g. fxopt.regions.call_region): keep them importable.
+_FLAT_LAYOUT_NAMES = {
+    "fxopt.regions": "fxopt.runtime.regions",
+    "fxopt.trace": "fxopt.capture.trace",
+    "fxopt.report": "fxopt.measure.report",
+    "fxopt.pipeline": "fxopt.rewrite.pipeline",
+}
+for _old, _new in _FLAT_LAYOUT_NAMES.items():
+    _sys.modules.setdefault(_old, _importlib.import_module(_new))
 
 __all__ = [
     "BudgetError", "Config", "ConfigError", "EquivalenceError", "ExportError", "FxoptError",

@@ -14,13 +14,13 @@ from typing import Any
 
 from torch import fx, nn
 
-from fxopt.inputs import check_inputs, refuse_meta_tensors
-from fxopt.measure import measure
-from fxopt.pipeline import Config, PassRequest, run_passes
-from fxopt.report import Report
-from fxopt.state import preserved_state
-from fxopt.trace import trace
-from fxopt.verify import verify as run_verify
+from fxopt.core.inputs import check_inputs, refuse_meta_tensors
+from fxopt.measure.peaks import measure
+from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
+from fxopt.measure.report import Report
+from fxopt.core.state import preserved_state
+from fxopt.capture.trace import trace
+from fxopt.verify.equivalence import verify as run_verify
 
 
 def optimize(

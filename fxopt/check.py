@@ -49,9 +49,9 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fxopt.api import optimize
-from fxopt.errors import ConfigError, EquivalenceError
-from fxopt.step import as_args
-from fxopt.verify import verify
+from fxopt.core.errors import ConfigError, EquivalenceError
+from fxopt.core.step import as_args
+from fxopt.verify.equivalence import verify
 
 SCHEMA = "fxopt.check/1"
 Progress = Callable[[int, int, str], None]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fxopt.errors import InputError
+from fxopt.core.errors import InputError
 
 BUILD_SEED = 0
 INPUT_SEED = 0

@@ -6,7 +6,7 @@ import difflib
 
 from torch import nn
 
-from fxopt.errors import InputError
+from fxopt.core.errors import InputError
 from models_zoo import recurrent, small_nets, torchvision_models, transformer, unet
 from models_zoo.entry import ZooEntry
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fxopt.pass_base import PassResult
+from fxopt.rewrite.pass_base import PassResult
 
 
 @dataclass(frozen=True)

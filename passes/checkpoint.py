@@ -1,4 +1,4 @@
-"""Activation checkpointing under a memory budget, planned by fxopt.solver.
+"""Activation checkpointing under a memory budget, planned by fxopt.planning.solver.
 
 ``checkpoint(gm, budget=...)`` picks regions of the forward to recompute in backward so that the
 predicted peak of a training step stays at or under ``budget`` with the least recompute time,
@@ -16,7 +16,7 @@ budget given to the solver is lowered by the overshoot and the plan re-solved, s
 peak never exceeds the budget. An impossible budget raises ``BudgetError`` with the smallest peak
 this pass can reach.
 
-Recompute time: each forward node is timed once on the real device (``fxopt.node_timing``), so two
+Recompute time: each forward node is timed once on the real device (``fxopt.analysis.node_timing``), so two
 runs can settle on different near-equal plans. ``profile=False`` plans from the FLOPs/bytes
 roofline instead: no real compute, and the same plan on every run and every DDP rank, at the price
 of a cost model that can be far off on CPU (BatchNorm 8x, max-pool 40x in our measurements).
@@ -35,15 +35,15 @@ from typing import Any
 from torch import fx
 
 from fxopt.analysis import estimate_peak
-from fxopt.budget import activation_bytes, budget_bytes, trainable_grad_bytes
-from fxopt.checkpoint_problem import build_problem
-from fxopt.errors import BudgetError
-from fxopt.meta import placeholder_values, refresh_meta
-from fxopt.pass_base import PassResult, mark_new
-from fxopt.regions import CheckpointedRegion, call_region
-from fxopt.trace import graph_module_like
-from fxopt.solver import SELECTIVE, CheckpointPlan, plan_checkpoints
-from fxopt.subgraph import extract_subgraph, region_io
+from fxopt.planning.budget import activation_bytes, budget_bytes, trainable_grad_bytes
+from fxopt.planning.checkpoint_problem import build_problem
+from fxopt.core.errors import BudgetError
+from fxopt.capture.meta import placeholder_values, refresh_meta
+from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.runtime.regions import CheckpointedRegion, call_region
+from fxopt.capture.trace import graph_module_like
+from fxopt.planning.solver import SELECTIVE, CheckpointPlan, plan_checkpoints
+from fxopt.rewrite.subgraph import extract_subgraph, region_io
 
 PASS_NAME = "checkpoint"
 _MAX_ROUNDS = 6

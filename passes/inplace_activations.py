@@ -36,8 +36,8 @@ from torch import fx, nn
 from torch.utils._pytree import tree_map_only
 
 from fxopt.analysis import alias_classes, saved_for_backward
-from fxopt.meta import placeholder_values, refresh_meta
-from fxopt.pass_base import PassResult, mark_new
+from fxopt.capture.meta import placeholder_values, refresh_meta
+from fxopt.rewrite.pass_base import PassResult, mark_new
 
 PASS_NAME = "inplace_activations"
 

@@ -1,10 +1,10 @@
 """Pad channel and feature sizes to multiples of ``multiple`` so heavy kernels run aligned.
 
-``pad_channels(gm)`` rewrites the heavy ops that ``fxopt.pad_plan`` picks (convs, including
+``pad_channels(gm)`` rewrites the heavy ops that ``fxopt.planning.pad_plan`` picks (convs, including
 grouped and depthwise ones, ConvTranspose, Linear, functional conv/linear, matmul) into their
 functional form on padded operands, lets the padding flow through channel-wise ops, and gives
-every other consumer the original shape back. See ``fxopt.pad_plan`` for which ops pad and
-which carry padding, and ``fxopt.pad_policy`` for when padding is worth it.
+every other consumer the original shape back. See ``fxopt.planning.pad_plan`` for which ops pad and
+which carry padding, and ``fxopt.planning.pad_policy`` for when padding is worth it.
 
 When it is safe: always -- the padded model computes the same function in exact arithmetic.
 
@@ -31,7 +31,7 @@ training peak grows about 15%). Stats: ``padded_ops``; ``extra_flops`` and ``ext
 operand -> output shapes and extra FLOPs; ``declined`` (op -> why not); ``timings_ms``.
 
 Not handled: BatchNorm with ``momentum=None`` (its input is sliced back: it runs unpadded),
-ops inside opaque leaves, modules with hooks, and the limits listed in ``fxopt.pad_plan``.
+ops inside opaque leaves, modules with hooks, and the limits listed in ``fxopt.planning.pad_plan``.
 Optimizing a padded module again traces its ``getattr(bn, "training")`` as a constant: right
 for the train and eval graphs, wrong for a BatchNorm frozen in eval inside a training model.
 """
@@ -45,11 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from fxopt.errors import ConfigError
-from fxopt.meta import refresh_meta
-from fxopt.pad_plan import AnchorPlan, NormPlan, Operand, Padded, PadPlan, Resize, plan_padding
-from fxopt.pad_policy import OPS, Timer, TimingCase, default_decider, pad_list, padding_pays
-from fxopt.pass_base import PassResult, mark_new
+from fxopt.core.errors import ConfigError
+from fxopt.capture.meta import refresh_meta
+from fxopt.planning.pad_plan import AnchorPlan, NormPlan, Operand, Padded, PadPlan, Resize, plan_padding
+from fxopt.planning.pad_policy import OPS, Timer, TimingCase, default_decider, pad_list, padding_pays
+from fxopt.rewrite.pass_base import PassResult, mark_new
 
 PASS_NAME = "pad_channels"
 MULTIPLES = (8, 16, 32, 64)

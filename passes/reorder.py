@@ -26,10 +26,10 @@ import torch
 from torch import fx, nn
 
 from fxopt.analysis import alias_classes, estimate_peak, saved_for_backward
-from fxopt.meta import placeholder_values
-from fxopt.pass_base import PassResult
-from fxopt.trace import graph_module_like
-from fxopt.writes import overwritten_inputs
+from fxopt.capture.meta import placeholder_values
+from fxopt.rewrite.pass_base import PassResult
+from fxopt.capture.trace import graph_module_like
+from fxopt.analysis.writes import overwritten_inputs
 
 PASS_NAME = "reorder"
 

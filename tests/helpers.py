@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.lint import graph_problems, snapshot
-from fxopt.measure import measure_train_step
-from fxopt.pass_base import PassResult
-from fxopt.trace import trace
-from fxopt.verify import verify
+from fxopt.rewrite.invariants import graph_problems, snapshot
+from fxopt.measure.peaks import measure_train_step
+from fxopt.rewrite.pass_base import PassResult
+from fxopt.capture.trace import trace
+from fxopt.verify.equivalence import verify
 
 
 def _describe_target(gm: fx.GraphModule, node: fx.Node) -> str:

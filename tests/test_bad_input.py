@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fxopt
 import passes as pass_registry
-from fxopt.pass_base import PassResult
+from fxopt.rewrite.pass_base import PassResult
 from helpers import Snapshot, TiedEmbedding
 
 Pair = namedtuple("Pair", "main aux")
@@ -323,7 +323,7 @@ def test_a_failed_verification_leaves_the_model_untouched(monkeypatch):
             doubled = gm.graph.call_function(torch.mul, (output.args[0], 2.0))
         doubled.meta["fxopt_pass"] = "wrong"
         output.args = (doubled,)
-        fxopt.meta.refresh_meta(gm)
+        fxopt.capture.meta.refresh_meta(gm)
         return PassResult(gm, True, {})
 
     spec = pass_registry.PassSpec("wrong", wrong, "doubles the output")

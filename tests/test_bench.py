@@ -1,14 +1,14 @@
-"""fxopt.allocations, fxopt.peers and fxopt.bench: peers built faithfully, measured honestly."""
+"""fxopt.measure.allocations, fxopt.bench.peers and fxopt.bench: peers built faithfully, measured honestly."""
 
 import torch
 from torch import nn
 
-from fxopt.allocations import peak_allocated_during
-from fxopt.bench import bench, format_table, step_peak_bytes
-from fxopt.measure import measure_train_step
-from fxopt.peers import build_peer, single_value_cuts
-from fxopt.trace import trace
-from fxopt.verify import verify
+from fxopt.measure.allocations import peak_allocated_during
+from fxopt.bench.runs import bench, format_table, step_peak_bytes
+from fxopt.measure.peaks import measure_train_step
+from fxopt.bench.peers import build_peer, single_value_cuts
+from fxopt.capture.trace import trace
+from fxopt.verify.equivalence import verify
 
 
 def test_allocator_peak_sees_a_temporary_and_its_free():

@@ -1,4 +1,4 @@
-"""fxopt.boxed.release_inputs: the forward frees inputs the caller hands over."""
+"""fxopt.rewrite.boxed.release_inputs: the forward frees inputs the caller hands over."""
 
 import pytest
 import torch
@@ -6,9 +6,9 @@ from torch import nn
 
 import fxopt
 
-from fxopt.boxed import release_inputs
-from fxopt.memtrack import LiveStorageTracker
-from fxopt.trace import trace
+from fxopt.rewrite.boxed import release_inputs
+from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.capture.trace import trace
 
 
 class Widen(nn.Module):

@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 import fxopt
-import fxopt.costmodel
-import fxopt.regions
-from fxopt.errors import BudgetError
-from fxopt.measure import measure_train_step
-from fxopt.trace import trace
-from fxopt.verify import verify
+import fxopt.analysis.costmodel
+import fxopt.runtime.regions
+from fxopt.core.errors import BudgetError
+from fxopt.measure.peaks import measure_train_step
+from fxopt.capture.trace import trace
+from fxopt.verify.equivalence import verify
 from passes.checkpoint import checkpoint
 
 
@@ -60,7 +60,7 @@ def test_batchnorm_statistics_updated_once_and_planted_double_update_is_caught(
     gm.recompile()
     assert verify(model, gm, x).ok
     # Without the buffer restore, recomputation updates running stats a second time:
-    monkeypatch.setattr(fxopt.regions, "buffers_restored", lambda body: contextlib.nullcontext())
+    monkeypatch.setattr(fxopt.runtime.regions, "buffers_restored", lambda body: contextlib.nullcontext())
     report = verify(model, gm, x)
     assert not report.ok
     assert {m.kind for m in report.mismatches} == {"buffer"}
@@ -139,12 +139,12 @@ def test_roofline_costs_run_no_compute_and_plan_the_same_every_time(model_and_in
     def no_timing(gm):
         raise AssertionError("profile=False must not time nodes on the device")
 
-    monkeypatch.setattr(fxopt.costmodel, "forward_seconds", no_timing)
+    monkeypatch.setattr(fxopt.analysis.costmodel, "forward_seconds", no_timing)
     model, x = model_and_input
     graphs = [fxopt.optimize(model, x, passes=[("checkpoint", {"budget": 0.5, "profile": False})])
               for _ in range(2)]
     assert all(gm.fxopt_report.passes[0].modified for gm in graphs)
     assert graphs[0].code == graphs[1].code
     bodies = [[str(m.body.graph) for _, m in sorted(vars(gm).items())
-               if isinstance(m, fxopt.regions.CheckpointedRegion)] for gm in graphs]
+               if isinstance(m, fxopt.runtime.regions.CheckpointedRegion)] for gm in graphs]
     assert bodies[0] and bodies[0] == bodies[1]

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 import passes as registry
-from fxopt import cli
+from fxopt.cli import commands as cli
 from fxopt.check import SCHEMA
-from fxopt.errors import ConfigError
-from fxopt.pass_base import PassResult, mark_new
-from fxopt.progress import Progress
-from fxopt.targets import DTYPES
+from fxopt.core.errors import ConfigError
+from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.cli.progress import Progress
+from fxopt.cli.targets import DTYPES
 
 VENV_BIN = Path(sys.executable).parent
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -166,9 +166,9 @@ def test_progress_draws_on_a_terminal_only():
 
 def test_report_figures_agree_with_measure():
     import models_zoo
-    from fxopt.breakdown import memory_breakdown
-    from fxopt.measure import measure_train_step
-    from fxopt.timeline import training_timeline
+    from fxopt.measure.breakdown import memory_breakdown
+    from fxopt.measure.peaks import measure_train_step
+    from fxopt.measure.timeline import training_timeline
 
     model, inputs = models_zoo.build("mnist_net", 2)
     timeline = training_timeline(model, inputs)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxopt
-from fxopt.export import export, load_exported
+from fxopt.export.writer import export, load_exported
 
 STEPS = 3
 WORLD = 2

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 import fxopt
-import fxopt.export_codegen
+import fxopt.export.codegen
 import models_zoo
-from fxopt.errors import EquivalenceError
-from fxopt.export import ExportError, export, load_exported
-from fxopt.targets import load_target
+from fxopt.core.errors import EquivalenceError
+from fxopt.export.writer import ExportError, export, load_exported
+from fxopt.cli.targets import load_target
 
 TINY_NET = '''
 import torch
@@ -103,7 +103,7 @@ def test_each_export_is_reloaded_and_verified(exports):
         assert result.verification is not None and result.verification.ok, name
         assert result.verification.checked["param_grad"] > 0
     assert results["budget"].regions >= 1
-    assert "_runtime_fxopt_regions.py" in results["budget"].files
+    assert "_runtime_fxopt_runtime_regions.py" in results["budget"].files
     assert results["plain"].regions == 0 and results["plain"].needs == []
     assert results["leaf"].needs == ["tinynet"]
 
@@ -125,8 +125,8 @@ def test_region_model_uses_the_copied_runtime(exports):
     root, _, _ = exports
     exported = load_exported(root / "budget").load()
     regions = [v for k, v in vars(exported).items() if k.startswith("_fxopt_region_")]
-    assert regions and all(type(r).__module__.endswith("_runtime_fxopt_regions") for r in regions)
-    assert type(regions[0]).__module__ != "fxopt.regions"
+    assert regions and all(type(r).__module__.endswith("_runtime_fxopt_runtime_regions") for r in regions)
+    assert type(regions[0]).__module__ != "fxopt.runtime.regions"
 
 
 def test_loads_in_a_fresh_process_without_fxopt(exports):
@@ -170,7 +170,7 @@ def test_loads_in_a_fresh_process_without_fxopt(exports):
 def test_export_that_would_compute_something_else_is_refused(exports, tmp_path, monkeypatch):
     _, cases, _ = exports
     _, x, gm = cases["plain"]
-    real_generate = fxopt.export_codegen.generate
+    real_generate = fxopt.export.codegen.generate
 
     def planted_bug(*args, **kwargs):  # a dropout probability written wrong
         generated = real_generate(*args, **kwargs)
@@ -178,7 +178,7 @@ def test_export_that_would_compute_something_else_is_refused(exports, tmp_path, 
         generated.source = generated.source.replace("'p': 0.25", "'p': 0.3")
         return generated
 
-    monkeypatch.setattr("fxopt.export.generate", planted_bug)
+    monkeypatch.setattr("fxopt.export.writer.generate", planted_bug)
     with pytest.raises(EquivalenceError, match="output"):
         export(gm, tmp_path / "bad", example_inputs=x)
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxopt
-from fxopt.mode_dispatch import has_eval_graph, same_graph
-from fxopt.regions import CheckpointedRegion
+from fxopt.capture.train_eval import has_eval_graph, same_graph
+from fxopt.runtime.regions import CheckpointedRegion
 
 
 class Gate(nn.Module):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxopt.trace import trace
+from fxopt.capture.trace import trace
 from helpers import check_pass
 from passes.inplace_activations import inplace_activations
 

@@ -1,12 +1,12 @@
-"""fxopt.lints: each lint fires on the pattern its seed tip describes, and only there."""
+"""fxopt.measure.advice: each lint fires on the pattern its seed tip describes, and only there."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import models_zoo
-from fxopt.lints import TIPS, run_lints
-from fxopt.trace import trace
+from fxopt.measure.advice import TIPS, run_lints
+from fxopt.capture.trace import trace
 
 
 def _lints(model, x, **options):

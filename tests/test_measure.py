@@ -6,8 +6,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
-from fxopt.measure import format_bytes, measure, measure_inference, measure_train_step
-from fxopt.memtrack import LiveStorageTracker
+from fxopt.measure.peaks import format_bytes, measure, measure_inference, measure_train_step
+from fxopt.analysis.memtrack import LiveStorageTracker
 
 F32 = 4
 

@@ -1,9 +1,9 @@
-"""fxopt.memtrack: the live-storage tracker behind measured CPU peaks and predicted ones."""
+"""fxopt.analysis.memtrack: the live-storage tracker behind measured CPU peaks and predicted ones."""
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxopt.memtrack import LiveStorageTracker
+from fxopt.analysis.memtrack import LiveStorageTracker
 
 
 def test_peak_is_exact_with_lazy_collection_of_frees():

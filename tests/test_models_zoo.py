@@ -5,8 +5,8 @@ import torch
 from torch import fx
 
 import models_zoo
-from fxopt.errors import InputError
-from fxopt.step import training_step
+from fxopt.core.errors import InputError
+from fxopt.core.step import training_step
 
 STEPPED = ["mnist_net", "unet", "resnet18", "resnet50", "mobilenet_v2", "densenet121", "mlp",
            "transformer_block", "transformer_lm", "odd_channel_cnn", "lstm_classifier",

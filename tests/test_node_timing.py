@@ -1,11 +1,11 @@
-"""fxopt.node_timing: one real forward per node, timed, leaving no trace on the model."""
+"""fxopt.analysis.node_timing: one real forward per node, timed, leaving no trace on the model."""
 
 import torch
 from torch import nn
 
-from fxopt.costmodel import node_costs
-from fxopt.node_timing import forward_seconds
-from fxopt.trace import trace
+from fxopt.analysis.costmodel import node_costs
+from fxopt.analysis.node_timing import forward_seconds
+from fxopt.capture.trace import trace
 
 
 def conv_bn_drop() -> nn.Module:

@@ -12,10 +12,10 @@ from torch import fx, nn
 
 import fxopt
 import models_zoo
-from fxopt.errors import ConfigError
-from fxopt.pad_policy import Decider, TimingCase, padding_pays, time_case
-from fxopt.trace import trace
-from fxopt.verify import verify
+from fxopt.core.errors import ConfigError
+from fxopt.planning.pad_policy import Decider, TimingCase, padding_pays, time_case
+from fxopt.capture.trace import trace
+from fxopt.verify.equivalence import verify
 from helpers import check_pass
 from passes.pad_channels import pad_channels
 

@@ -5,10 +5,10 @@ import torch
 from torch import fx, nn
 
 import passes as registry
-from fxopt.errors import BudgetError, ConfigError, InputError, PassError
-from fxopt.pass_base import PassResult, mark_new
-from fxopt.pipeline import Config, parse_pass_spec, run_passes
-from fxopt.trace import trace
+from fxopt.core.errors import BudgetError, ConfigError, InputError, PassError
+from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.rewrite.pipeline import Config, parse_pass_spec, run_passes
+from fxopt.capture.trace import trace
 
 
 def _noop(gm, *, scale: float = 1.0):

@@ -4,9 +4,9 @@ import torch
 from torch import fx, nn
 
 from fxopt.analysis import alias_classes
-from fxopt.measure import measure_inference, measure_train_step
-from fxopt.trace import trace
-from fxopt.verify import verify
+from fxopt.measure.peaks import measure_inference, measure_train_step
+from fxopt.capture.trace import trace
+from fxopt.verify.equivalence import verify
 from helpers import check_pass
 from passes.reorder import candidate_orders, dependencies, reorder, static_peak
 

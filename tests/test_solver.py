@@ -1,4 +1,4 @@
-"""fxopt.solver: optimal under its model (checked by brute force), union counting, speed."""
+"""fxopt.planning.solver: optimal under its model (checked by brute force), union counting, speed."""
 
 import itertools
 import random
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fxopt.solver import (
+from fxopt.planning.solver import (
     FULL,
     NORMAL,
     SELECTIVE,
@@ -101,8 +101,8 @@ def test_generous_budget_plans_nothing():
 
 def test_solver_time_on_resnet152_sized_graph():
     import models_zoo
-    from fxopt.checkpoint_problem import build_problem
-    from fxopt.trace import trace
+    from fxopt.planning.checkpoint_problem import build_problem
+    from fxopt.capture.trace import trace
 
     model, inputs = models_zoo.build("resnet152", 1)
     problem, _forward = build_problem(trace(model, inputs))

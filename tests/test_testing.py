@@ -9,8 +9,8 @@ from torch import nn
 
 import passes as registry
 from fxopt.check import SCHEMA, check_equivalence, random_inputs_like
-from fxopt.errors import ConfigError
-from fxopt.pass_base import PassResult, mark_new
+from fxopt.core.errors import ConfigError
+from fxopt.rewrite.pass_base import PassResult, mark_new
 from fxopt.testing import assert_equivalent
 
 

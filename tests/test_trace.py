@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxopt.errors import InputError, TraceError
-from fxopt.trace import structural_copy, trace
+from fxopt.core.errors import InputError, TraceError
+from fxopt.capture.trace import structural_copy, trace
 from helpers import TiedEmbedding
 
 
@@ -169,7 +169,7 @@ class StochasticBlock(nn.Module):
 
 
 def test_mode_dependent_forward_keeps_an_eval_graph():
-    from fxopt.mode_dispatch import has_eval_graph
+    from fxopt.capture.train_eval import has_eval_graph
 
     model, x = StochasticBlock(), torch.randn(3, 4)
     gm = trace(model, x)

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import torchvision
 from torch import fx, nn
 
-from fxopt.errors import ConfigError, EquivalenceError, InputError
-from fxopt.step import training_step
-from fxopt.verify import DEFAULT_TOLERANCES, verify
+from fxopt.core.errors import ConfigError, EquivalenceError, InputError
+from fxopt.core.step import training_step
+from fxopt.verify.equivalence import DEFAULT_TOLERANCES, verify
 
 X = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
 

@@ -1,0 +1,114 @@
+"""How long each forward node takes: measured once on the device, or a roofline estimate.
+
+``node_costs(gm)`` takes each node's time from one real profile of the forward
+(``fxopt.analysis.node_timing``) where the graph can run on random inputs; otherwise, and for FLOPs and
+bytes always, from the roofline below.
+
+The roofline counts each node's FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` during a
+fake-tensor run (so no compute), and its memory traffic as the bytes of its tensor inputs and
+output. Seconds = max(FLOPs / peak FLOP rate, bytes / memory bandwidth), with both rates measured
+once per process and device by ``device_rates`` (a matmul and a large copy, a few tens of
+milliseconds). It ranks a convolution against a BatchNorm the right way round but is far off on
+a CPU for memory-bound ops (resnet50, 8x3x128x128, one thread: a training-mode BatchNorm 8x and
+a max-pool 40x slower than the roofline says), hence the profile.
+
+A node is *heavy* when FlopCounterMode counts FLOPs for it: exactly the convolutions, matmuls
+and attention kernels that selective recomputation keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import tree_leaves
+
+from fxopt.capture.meta import placeholder_values, propagate_meta
+from fxopt.analysis.node_timing import forward_seconds
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    flops: int
+    bytes: int
+    seconds: float
+
+    @property
+    def heavy(self) -> bool:
+        return self.flops > 0
+
+
+@functools.cache
+def device_rates(device: str = "cpu") -> tuple[float, float]:
+    """(FLOP/s, bytes/s) measured on ``device`` with a matmul and a large copy."""
+    dev = torch.device(device)
+    a = torch.randn(512, 512, device=dev)
+    big = torch.empty(8 * 1024 * 1024 // 4, device=dev)
+
+    def timed(fn, reps: int) -> float:
+        """The fastest of ``reps`` runs: what the device can do, least disturbed by other load
+        (a mean would make plans depend on what else the machine was doing at that moment)."""
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            start = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    flops = 2 * 512**3 / timed(lambda: a @ a, 9)
+    bandwidth = 2 * big.numel() * 4 / timed(lambda: big.clone(), 9)
+    return flops, bandwidth
+
+
+def _tensor_bytes(values: object) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(values)
+               if isinstance(t, torch.Tensor))
+
+
+def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, NodeCost]:
+    """Forward cost of every call node (placeholders, get_attr and output cost nothing).
+
+    ``profile=False``: roofline seconds only (no real compute at all).
+    """
+    flops: dict[fx.Node, int] = {}
+
+    @contextlib.contextmanager
+    def count(node: fx.Node) -> Iterator[None]:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            yield
+        flops[node] = counter.get_total_flops()
+
+    propagate_meta(gm, placeholder_values(gm), around_node=count)
+    device = _graph_device(gm)
+    flop_rate, byte_rate = device_rates(device)
+    measured = forward_seconds(gm) if profile else {}
+    costs = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        moved = _tensor_bytes([a.meta.get("val") for a in node.all_input_nodes]) + _tensor_bytes(
+            node.meta.get("val"))
+        f = flops.get(node, 0)
+        roofline = max(f / flop_rate, moved / byte_rate)
+        costs[node] = NodeCost(f, moved, measured.get(node, roofline))
+    return costs
+
+
+def _graph_device(gm: fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return "cuda" if val.device.type == "cuda" else "cpu"
+    return "cpu"

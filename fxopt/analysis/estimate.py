@@ -1,0 +1,175 @@
+"""Predicted peak memory of a training step and of inference, without real compute.
+
+``estimate_peak(module, example_inputs)`` runs the module -- a GraphModule or any nn.Module -- on
+fake tensors (``fxopt.capture.fake_run``: fake parameters that require grad as the real ones do, fake
+buffers, fake inputs) under ``LiveStorageTracker``, the same tracker ``fxopt.measure`` counts real
+CPU runs with. The training figure runs ``fxopt.core.step.training_step`` itself in train mode
+(forward, backward from every differentiable output with the same cotangents, grads starting as
+None); the inference figure is one forward in eval mode under ``torch.no_grad()``, as
+``fxopt.measure`` does both; the module's own flags are restored afterwards. Since a
+GraphModule's generated code is executed, FX's rule of dropping each value after its last use is
+followed as is.
+
+Both figures count every live storage: parameters, buffers and inputs (``baseline_bytes``) plus
+what the step allocates. The real BatchNorm statistics, ``.grad``, training flags and the RNG are
+left untouched.
+
+Not handled: memory that kernels allocate internally without returning it as a tensor (invisible
+to the dispatcher on CPU and on fakes alike), allocator rounding and caching on CUDA, and leaf
+modules that cannot run on fake tensors: those (``meta["fxopt_meta_source"] == "real"``) count
+only their outputs and their inputs' and parameters' grads.
+
+``max_batch_size(model, example_inputs, budget_bytes)`` fits ``peak = a + b * batch`` from two
+estimates, then confirms the answer with estimates at it and one above (bisecting if the fit is
+off), all on fakes; it never runs out of memory on purpose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxopt.analysis.aliases import storage_key, tensors_in
+from fxopt.core.errors import BudgetError, InputError
+from fxopt.capture.fake_run import on_fake_tensors, opaque_leaves_stood_in, training_flags
+from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.core.step import as_args, training_step
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """Predicted peaks in bytes of live tensor storage, and where they happen."""
+
+    train_bytes: int
+    inference_bytes: int
+    baseline_bytes: int          # parameters + buffers + inputs, alive throughout
+    train_peak_op: str           # the op whose result made the training peak
+    inference_peak_op: str
+
+
+def _baseline_bytes(state: dict[str, torch.Tensor], inputs: tuple) -> int:
+    storages = {storage_key(t): t.untyped_storage().nbytes()
+                for t in [*state.values(), *tensors_in(inputs)]}
+    return sum(storages.values())
+
+
+def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], None]
+             ) -> tuple[int, int, str]:
+    """(peak bytes, baseline bytes, peak op) of ``step`` run on fakes under the tracker."""
+    with opaque_leaves_stood_in(module), on_fake_tensors(module, example_inputs) as run:
+        for t in run.state.values():
+            t.grad = None
+        tracker = LiveStorageTracker()
+        try:
+            with tracker:
+                step(module, run.inputs)
+        except Exception as error:  # torch raises many types on fakes; one clear error instead
+            raise InputError(
+                f"{type(module).__name__} cannot run on fake tensors, so its peak cannot be "
+                f"predicted: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                where=f"estimate_peak({type(module).__name__}), {step.__name__.strip('_')} step",
+                hint="trace the model with fxopt.trace() first: parts that read tensor values "
+                     "become leaf modules, which the estimate stands in for") from error
+        baseline = _baseline_bytes(run.state, run.inputs)
+        return baseline + tracker.peak_bytes, baseline, tracker.peak_op
+
+
+def _inference(module: nn.Module, inputs: tuple) -> None:
+    with training_flags(module, False), torch.no_grad():
+        module(*inputs)
+
+
+def _train(module: nn.Module, inputs: tuple) -> None:
+    with training_flags(module, True), torch.enable_grad():
+        training_step(module, inputs)
+
+
+def estimate_peak(module: nn.Module, example_inputs: Any) -> PeakEstimate:
+    """Predicted training-step and inference peaks of ``module`` on ``example_inputs``."""
+    train, baseline, train_op = _tracked(module, example_inputs, _train)
+    inference, _, inference_op = _tracked(module, example_inputs, _inference)
+    return PeakEstimate(train, inference, baseline, train_op, inference_op)
+
+
+def resized_inputs(example_inputs: Any, batch: int, batch_dim: int = 0) -> tuple:
+    """Fake inputs like ``example_inputs`` with ``batch`` along ``batch_dim`` (no real memory).
+
+    Tensors with fewer than ``batch_dim + 1`` dimensions are passed through unchanged.
+    """
+    mode = FakeTensorMode()
+
+    def resize(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() <= batch_dim:
+            return t
+        shape = list(t.shape)
+        shape[batch_dim] = batch
+        with mode:
+            return torch.empty(shape, dtype=t.dtype, device=t.device).requires_grad_(
+                t.requires_grad)
+
+    return tuple(resize(t) for t in as_args(example_inputs))
+
+
+_LARGEST_REFERENCE = 2**20
+
+
+def max_batch_size(model: nn.Module, example_inputs: Any, budget_bytes: int, *,
+                   batch_dim: int = 0) -> int:
+    """Largest batch whose predicted training peak is at most ``budget_bytes``."""
+    peaks: dict[int, int] = {}
+
+    def peak(batch: int) -> int:
+        if batch not in peaks:
+            inputs = resized_inputs(example_inputs, batch, batch_dim)
+            peaks[batch] = estimate_peak(model, inputs).train_bytes
+        return peaks[batch]
+
+    if peak(1) > budget_bytes:
+        raise BudgetError(
+            f"even batch 1 does not fit: its predicted training peak is {peak(1):,} bytes, "
+            f"over the budget of {budget_bytes:,} bytes",
+            where=f"max_batch_size({type(model).__name__}, batch_dim={batch_dim})",
+            hint=f"raise the budget to at least {peak(1):,} bytes, or shrink the model "
+                 "(e.g. with the checkpoint pass)")
+    reference = max(2, next((t.shape[batch_dim] for t in tensors_in(as_args(example_inputs))
+                             if t.dim() > batch_dim), 2))
+    while peak(reference) <= peak(1) and reference < _LARGEST_REFERENCE:
+        reference *= 8  # a batch-independent op (an embedding's grad) can hold the peak at first
+    per_sample = (peak(reference) - peak(1)) / (reference - 1)
+    if per_sample <= 0:
+        raise InputError(
+            f"the predicted peak does not grow with the batch along dim {batch_dim} "
+            f"({peak(1):,} bytes at batch 1, {peak(reference):,} at batch {reference})",
+            where=f"max_batch_size({type(model).__name__})",
+            hint="pass batch_dim= naming the inputs' batch dimension")
+    guess = max(1, int((budget_bytes - peak(1)) // per_sample) + 1)
+    return _largest_fitting(lambda b: peak(b) <= budget_bytes, guess)
+
+
+def _largest_fitting(fits: Callable[[int], bool], guess: int) -> int:
+    """Largest b >= 1 with fits(b), for monotone ``fits`` with fits(1); checks guess, guess+1 first."""
+    fitting, failing = 1, None
+    for batch in (guess, guess + 1):
+        if batch > fitting and (failing is None or batch < failing):
+            if fits(batch):
+                fitting = batch
+            else:
+                failing = batch
+    while failing is None:
+        batch = 2 * fitting
+        if fits(batch):
+            fitting = batch
+        else:
+            failing = batch
+    while failing - fitting > 1:
+        middle = (fitting + failing) // 2
+        if fits(middle):
+            fitting = middle
+        else:
+            failing = middle
+    return fitting

@@ -1,0 +1,132 @@
+"""The tools fxopt's checkpointing is compared with, built the way their users would build them.
+
+- ``checkpoint_sequential``: ``torch.utils.checkpoint.checkpoint_sequential`` with sqrt(n)
+  segments, the textbook recipe (Chen et al. 2016). It needs a chain of single-tensor stages, so
+  the model is traced and cut at every point where exactly one value is alive (between ResNet
+  blocks, between DenseNet blocks and transitions); the stages, in order, are the nn.Sequential
+  it is given. A model without such cut points (a U-Net's skips span the whole network) yields
+  few stages and little saving: that is the recipe's limit, not this adapter's. Known flaw of
+  the recipe, kept: recomputation updates BatchNorm running statistics a second time.
+- ``torch_compile_min_cut``: ``torch.compile`` with the min-cut rematerialization partitioner and
+  ``torch._functorch.config.activation_memory_budget`` set to the budget as a fraction of
+  activation memory. Backend ``aot_eager_decomp_partition`` on CPU (Inductor's decompositions and
+  partitioner, eager kernels), ``inductor`` on CUDA.
+
+Every peer shares the user's Parameter objects (it is built on a structural copy) and never
+modifies the user's model. ``build_peer`` returns ``(module, note)``; ``module`` is None when the
+peer cannot handle this model, and ``note`` then says why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._functorch import config as functorch_config
+from torch.utils.checkpoint import checkpoint_sequential
+
+from fxopt.rewrite.subgraph import extract_subgraph
+from fxopt.capture.trace import structural_copy, trace
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    summary: str
+    build: Callable[[nn.Module, tuple, float], tuple[nn.Module | None, str]]
+
+
+def single_value_cuts(gm: fx.GraphModule) -> list[fx.Node]:
+    """Nodes after which exactly one computed value is alive: that node's own tensor result."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last_read = {n: max((order[u] for u in n.users), default=order[n]) for n in gm.graph.nodes}
+    cuts, alive = [], set()
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "output"):
+            continue
+        alive = {v for v in alive if last_read[v] > order[node]}
+        if node.users:
+            alive.add(node)
+        if alive == {node} and node.users and isinstance(node.meta.get("val"), torch.Tensor):
+            cuts.append(node)
+    return cuts
+
+
+class SequentialCheckpointed(nn.Module):
+    """``checkpoint_sequential(stages, segments, x)`` in training, the plain chain otherwise."""
+
+    def __init__(self, stages: nn.Sequential, segments: int):
+        super().__init__()
+        self.stages = stages
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.stages(x)
+        return checkpoint_sequential(self.stages, self.segments, x, use_reentrant=False)
+
+
+def build_checkpoint_sequential(model: nn.Module, inputs: tuple, fraction: float
+                                ) -> tuple[nn.Module | None, str]:
+    """The sqrt(n) recipe over the model's single-tensor stages (``fraction`` is not used)."""
+    if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
+        return None, "needs a model taking one tensor"
+    gm = trace(model, inputs)
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if not isinstance(output, fx.Node) or not nodes:
+        return None, "needs a model returning one tensor"
+    bounds = [nodes.index(c) + 1 for c in single_value_cuts(gm) if c in nodes]
+    bounds = sorted(set(b for b in bounds if b < len(nodes))) + [len(nodes)]
+    stages, start = [], 0
+    for stop in bounds:
+        stages.append(extract_subgraph(gm, nodes[start:stop], class_name="Stage"))
+        start = stop
+    segments = max(1, round(math.sqrt(len(stages))))
+    return (SequentialCheckpointed(nn.Sequential(*stages), segments),
+            f"{len(stages)} stages, {segments} segments")
+
+
+class CompiledWithBudget(nn.Module):
+    """``torch.compile`` of a copy of the model, compiled (and recompiled) under ``budget``."""
+
+    def __init__(self, model: nn.Module, budget: float, backend: str):
+        super().__init__()
+        self.model = model
+        self.budget = budget
+        object.__setattr__(self, "compiled", torch.compile(model, backend=backend))
+
+    def forward(self, *args: Any) -> Any:
+        with functorch_config.patch(activation_memory_budget=self.budget):
+            return self.compiled(*args)
+
+
+def build_torch_compile(model: nn.Module, inputs: tuple, fraction: float
+                        ) -> tuple[nn.Module | None, str]:
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
+    backend = "inductor" if on_cuda else "aot_eager_decomp_partition"
+    # dynamo caches compiled code per code object; without a reset a second budget on the same
+    # model class would reuse the first one's graph.
+    torch._dynamo.reset()
+    return (CompiledWithBudget(structural_copy(model), fraction, backend),
+            f"backend {backend}, activation_memory_budget={fraction:.2f}")
+
+
+PEERS: dict[str, Peer] = {
+    "checkpoint_sequential": Peer(
+        "checkpoint_sequential", "torch.utils.checkpoint.checkpoint_sequential, sqrt(n) segments",
+        build_checkpoint_sequential),
+    "torch_compile_min_cut": Peer(
+        "torch_compile_min_cut", "torch.compile min-cut partitioner with activation_memory_budget",
+        build_torch_compile),
+}
+
+
+def build_peer(name: str, model: nn.Module, inputs: tuple, fraction: float
+               ) -> tuple[nn.Module | None, str]:
+    """Build peer ``name`` for ``model``; ``fraction`` is the activation-memory budget in [0, 1]."""
+    return PEERS[name].build(model, inputs, fraction)

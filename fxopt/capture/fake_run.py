@@ -1,0 +1,220 @@
+"""Run a module on fake tensors without touching the user's tensors or the global RNG.
+
+``on_fake_tensors(module, example_inputs)`` is a context manager that swaps every parameter and
+buffer of ``module`` for a fake copy (same shape, stride, dtype, ``requires_grad``; tied weights
+stay tied), turns the example inputs into fake tensors of the same mode, and enters that
+``FakeTensorMode``. Whatever runs inside -- forward, backward, BatchNorm's running-stat update,
+dropout -- happens on fakes: no real compute, no real memory, the real buffers, ``.grad`` and the
+RNG are left exactly as they were.
+
+Meta kernels that under-report memory are corrected: ``aten.mkldnn_rnn_layer`` (the CPU LSTM/GRU
+path) returns an empty oneDNN workspace on fakes, while the real kernel returns one that autograd
+saves for backward. Its size depends on oneDNN's internal layout, which no API exposes, so it is
+probed once per argument signature by running that one layer for real on zeros (cached; the
+only real compute in a fake run, and the probe's memory is the layer's own).
+
+Example inputs may be real tensors or fake tensors of another mode (e.g. ``placeholder_values``
+of a traced graph); the latter are rebuilt as fresh fakes with the same layout. Tensors that are
+plain attributes (tracer constants) are converted on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
+
+from fxopt.core.state import preserved_rng
+from fxopt.core.step import as_args
+
+
+@dataclass
+class FakeRun:
+    """What ``on_fake_tensors`` yields: the mode, the fake inputs and the fake module state."""
+
+    mode: FakeTensorMode
+    inputs: tuple
+    state: dict[str, torch.Tensor]     # qualified name -> fake parameter or buffer
+
+
+def fake_copy(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """A fake tensor of ``mode`` laid out like ``t`` (a real tensor, or a fake of any mode)."""
+    if isinstance(t, FakeTensor):
+        with mode:
+            fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return fresh.requires_grad_(t.requires_grad)
+    return mode.from_tensor(t)
+
+
+def module_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer under its qualified name(s), shared ones under each name."""
+    state: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    state.update(module.named_buffers(remove_duplicate=False))
+    return state
+
+
+@contextlib.contextmanager
+def training_flags(module: nn.Module, training: bool) -> Iterator[None]:
+    """Inside: ``module.train(training)``; afterwards every submodule's own flag is back."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _region_states(module: nn.Module, state: dict[str, torch.Tensor]
+                   ) -> list[tuple[nn.Module, dict[str, torch.Tensor]]]:
+    """For each checkpointed region body of ``module``: its own names for the stand-ins.
+
+    A body (``fx.GraphModule(root, graph)``) shares the root's submodules, but holds the tensors
+    it reads by ``get_attr`` (a root-level parameter, a weight ``pad_channels`` pads) under its
+    own module tree, which swapping ``module``'s state does not reach.
+    """
+    names = {id(t): name for name, t in module_state(module).items()}
+    bodies = [getattr(value, "body", None) for value in vars(module).values()
+              if type(value).__name__ == "CheckpointedRegion"]
+    return [(body, {name: state[names[id(t)]] for name, t in module_state(body).items()
+                    if names.get(id(t)) in state})
+            for body in bodies if isinstance(body, nn.Module)]
+
+
+@contextlib.contextmanager
+def reparametrized(module: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Inside: ``module``'s parameters and buffers are ``state`` (tied weights stay tied), in its
+    checkpointed regions' bodies too.
+
+    On exit, RNN modules rebuild their ``_flat_weights`` list, which the swap back does not
+    update: it would go on holding the stand-ins (fake tensors) until the next forward.
+    """
+    try:
+        regions = _region_states(module, state)  # matched by identity, before the swap
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_reparametrize_module(module, state, tie_weights=True))
+            for body, body_state in regions:
+                stack.enter_context(_reparametrize_module(body, body_state, tie_weights=True))
+            yield
+    finally:
+        for m in module.modules():
+            if isinstance(m, nn.RNNBase):
+                m._init_flat_weights()
+
+
+@contextlib.contextmanager
+def on_fake_tensors(module: nn.Module, example_inputs: Any) -> Iterator[FakeRun]:
+    """Inside: ``module`` computes on fake copies of its state; yields the fake inputs too."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    converted: dict[int, torch.Tensor] = {}
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in converted:  # one fake per real tensor, so tied weights stay tied
+            converted[id(t)] = fake_copy(t, mode)
+        return converted[id(t)]
+
+    state = {name: convert(t) for name, t in module_state(module).items()}
+    inputs = tree_map_only(torch.Tensor, convert, as_args(example_inputs))
+    with preserved_rng(), reparametrized(module, state), mode, RealSizedOutputs():
+        yield FakeRun(mode, inputs, state)
+
+
+_WORKSPACE_BYTES: dict[tuple, int] = {}
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    return value
+
+
+def _real_zeros(value: Any) -> Any:
+    return torch.zeros(value.shape, dtype=value.dtype, device=value.device)
+
+
+def _mkldnn_rnn_workspace_bytes(func: Any, args: tuple, kwargs: dict) -> int:
+    key = _signature((args, tuple(sorted(kwargs.items())), torch.is_grad_enabled()))
+    if key not in _WORKSPACE_BYTES:
+        with _disable_current_modes():  # the kernel's workspace depends on the grad mode
+            real_args, real_kwargs = tree_map_only(torch.Tensor, _real_zeros, (args, kwargs))
+            workspace = func(*real_args, **real_kwargs)[3]
+            _WORKSPACE_BYTES[key] = 0 if workspace is None else workspace.untyped_storage().nbytes()
+    return _WORKSPACE_BYTES[key]
+
+
+class RealSizedOutputs(TorchDispatchMode):
+    """Inside a FakeTensorMode: gives ops whose meta kernel under-reports memory real sizes."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten.mkldnn_rnn_layer.default and out[3].numel() == 0 and (
+                out[3].device.type == "cpu"):
+            workspace = torch.empty(_mkldnn_rnn_workspace_bytes(func, args, kwargs),
+                                    dtype=torch.uint8, device=out[3].device)
+            out = (*out[:3], workspace)
+        return out
+
+
+class _OpaqueLeaf(torch.autograd.Function):
+    """Allocates a leaf's outputs (shaped like its meta) and, in backward, its inputs' grads."""
+
+    @staticmethod
+    def forward(ctx: Any, templates: list[torch.Tensor], *inputs: torch.Tensor) -> tuple:
+        ctx.specs = [(t.shape, t.dtype, t.device) for t in inputs]
+        return tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                     for t in templates)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        return (None, *(torch.zeros(shape, dtype=dtype, device=device)
+                        for shape, dtype, device in ctx.specs))
+
+
+def _stand_in_forward(module: nn.Module, meta_val: Any) -> Any:
+    leaves, spec = tree_flatten(meta_val)
+    templates = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs += [p for p in module.parameters() if p.requires_grad]
+        differentiable = [t for t in inputs if t.requires_grad]
+        outs = iter(_OpaqueLeaf.apply(templates, *differentiable))
+        return tree_unflatten([next(outs) if isinstance(leaf, torch.Tensor) else leaf
+                               for leaf in leaves], spec)
+
+    return forward
+
+
+@contextlib.contextmanager
+def opaque_leaves_stood_in(gm: nn.Module) -> Iterator[list[str]]:
+    """Leaves that could only run for real (``meta["fxopt_meta_source"] == "real"``) get a
+    stand-in forward that allocates outputs like their ``meta["val"]`` and grads for their
+    inputs and parameters, so a fake run of ``gm`` goes through. Yields their paths.
+
+    What such a leaf saves or allocates inside is unknown and not counted.
+    """
+    graph = getattr(gm, "graph", None)
+    nodes = [n for n in graph.nodes if n.op == "call_module"
+             and n.meta.get("fxopt_meta_source") == "real"] if graph is not None else []
+    patched = []
+    try:
+        for node in nodes:
+            module = gm.get_submodule(node.target)
+            if "forward" not in module.__dict__:
+                module.forward = _stand_in_forward(module, node.meta["val"])
+                patched.append(module)
+        yield [n.target for n in nodes]
+    finally:
+        for module in patched:
+            del module.forward

@@ -1,0 +1,136 @@
+"""Shape/dtype/device/stride metadata on every node, computed on fake tensors.
+
+``propagate_meta(gm, example_inputs)`` interprets the graph under ``FakeTensorMode`` with the
+module's parameters and buffers swapped for fake copies, and stores each node's result in
+``node.meta["val"]`` (a FakeTensor, or a pytree of them). No real compute happens, so this costs
+nothing on a model too large for the machine, and the real BatchNorm running statistics and the
+global RNG are never touched.
+
+A leaf module whose forward cannot run on fake tensors (it reads tensor values, e.g. ``if
+x.sum() > 0``) is run once for real on a deep copy, with random inputs of the right shape, under a
+forked RNG; its outputs are converted back to fake tensors and the node is marked
+``meta["fxopt_meta_source"] = "real"``. Output shapes that depend on input *values* are then only
+as good as that one sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils._pytree import tree_map_only
+
+from fxopt.capture.fake_run import reparametrized
+from fxopt.core.state import preserved_rng
+
+
+def _real_like(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex():
+        return torch.randn(t.shape, dtype=t.dtype, device=t.device)
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+
+class _FakeInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, real_state: dict[str, torch.Tensor],
+                 around_node: Callable[[fx.Node], contextlib.AbstractContextManager] | None = None):
+        super().__init__(gm)
+        self.mode = mode
+        self.real_state = real_state
+        self.around_node = around_node
+        self.node: fx.Node | None = None
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_module(target, args, kwargs)
+        except Exception:
+            return self._run_for_real(target, args, kwargs)
+
+    def _run_for_real(self, target: str, args: Any, kwargs: Any) -> Any:
+        """Run one leaf for real on cloned state and random inputs; return fake outputs."""
+        assert self.node is not None
+        self.node.meta["fxopt_meta_source"] = "real"
+        prefix = target + "."
+        with unset_fake_temporarily(), preserved_rng(), torch.no_grad():
+            state = {name[len(prefix):]: t.detach().clone()
+                     for name, t in self.real_state.items() if name.startswith(prefix)}
+            real_args, real_kwargs = tree_map_only(torch.Tensor, _real_like, (args, kwargs))
+            out = torch.func.functional_call(self.fetch_attr(target), state, real_args, real_kwargs)
+        return tree_map_only(torch.Tensor, self.mode.from_tensor, out)
+
+    def _as_fake(self, t: torch.Tensor) -> torch.Tensor:
+        return t if isinstance(t, FakeTensor) else self.mode.from_tensor(t)
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.node = n
+        try:
+            with self.around_node(n) if self.around_node else contextlib.nullcontext():
+                result = super().run_node(n)
+        except Exception as error:
+            if not hasattr(error, "_fxopt_node"):
+                error._fxopt_node = n  # type: ignore[attr-defined]  # for fxopt.trace's message
+            raise
+        if n.op == "get_attr":  # tracer constants are real tensors; keep meta fake throughout
+            result = tree_map_only(torch.Tensor, self._as_fake, result)
+        if n.op != "output":
+            n.meta["val"] = result
+            if isinstance(result, torch.Tensor):
+                n.meta["tensor_meta"] = _extract_tensor_metadata(result)
+        return result
+
+
+def _to_mode(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    if isinstance(t, FakeTensor):
+        with mode:
+            fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return fresh.requires_grad_(t.requires_grad)
+    return mode.from_tensor(t)
+
+
+def propagate_meta(gm: fx.GraphModule, example_inputs: tuple, *,
+                   around_node: Callable[[fx.Node], contextlib.AbstractContextManager] | None = None
+                   ) -> None:
+    """Set ``meta["val"]`` (and ``meta["tensor_meta"]``) on every non-output node of ``gm``.
+
+    ``around_node(node)``, if given, is a context manager entered around each node's fake
+    execution (e.g. a FLOP counter).
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_inputs = tree_map_only(torch.Tensor, lambda a: _to_mode(a, mode), tuple(example_inputs))
+    real_state = dict(gm.named_parameters(remove_duplicate=False))
+    real_state.update(gm.named_buffers(remove_duplicate=False))
+    fake_state = {name: mode.from_tensor(t) for name, t in real_state.items()}
+    with preserved_rng(), reparametrized(gm, fake_state), mode, _fake_kernel_failures_quiet():
+        _FakeInterpreter(gm, mode, real_state, around_node).run(*fake_inputs)
+
+
+@contextlib.contextmanager
+def _fake_kernel_failures_quiet() -> Iterator[None]:
+    """FakeTensorMode logs a full traceback for every failing kernel before raising; the error
+    reaches the caller anyway (a leaf then runs for real, or fxopt raises its own error)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def placeholder_values(gm: fx.GraphModule) -> tuple:
+    """The example inputs as the graph last saw them: the placeholders' ``meta["val"]``."""
+    return tuple(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def refresh_meta(gm: fx.GraphModule) -> None:
+    """Recompute ``meta["val"]`` on every node after a rewrite, from the placeholders' meta.
+
+    Fake inputs of an earlier FakeTensorMode are rebuilt as fresh empty tensors of the same
+    shape, stride, dtype and device (values never matter to fake propagation).
+    """
+    propagate_meta(gm, placeholder_values(gm))

@@ -1,0 +1,250 @@
+"""Capture a model as a torch.fx GraphModule without touching the user's model.
+
+``trace(model, example_inputs)`` symbolically traces a *structural copy* of the model: every
+module object is new, but parameters and buffers are the user's own tensors. So a pass may flip a
+module flag (``inplace=True``) without the user's model seeing it, while an optimizer built on the
+optimized module still trains the user's Parameters, and ``state_dict()`` keys, order and shapes are
+exactly the original's.
+
+Submodules that torch.fx cannot trace (data-dependent control flow, ``int(proxy)``, iteration over
+a proxy, ...) are kept as opaque leaf calls: the tracer retries with the innermost failing module
+as a leaf until the trace succeeds, and records each fallback with its reason. Only when the root's
+own ``forward`` cannot be traced does it raise ``TraceError``.
+
+Example inputs are forward's positional arguments: a tensor, or a tuple/list of them, where an
+argument may also be a tuple, list or dict of tensors, or a plain value (None, bool, int, float,
+str). Plain values and the parameters left out at the end (which take their defaults) are
+specialised: the traced module asserts it gets the same value. A bare dict is refused as
+ambiguous (see ``check_inputs``).
+
+Code that depends on ``self.training`` is traced in both modes: see ``fxopt.capture.train_eval``.
+A model whose forward returns an ``OrderedDict`` returns one from the traced module too.
+
+Not handled: keyword-only arguments without defaults, and models whose forward reads module
+attributes that are not registered submodules.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx, nn
+
+from fxopt.core.errors import TraceError
+from fxopt.core.inputs import check_inputs, concrete_args
+from fxopt.capture.train_eval import install_eval_graph, same_graph
+from fxopt.runtime.regions import CheckpointedRegion, call_region
+from fxopt.capture.trace_checks import (
+    check_state_kept,
+    propagate_meta_explained,
+    root_failure_hint,
+    user_checkpoints_refused,
+    user_frame,
+)
+
+
+@dataclass(frozen=True)
+class LeafFallback:
+    """A submodule kept as an opaque call because torch.fx could not trace through it."""
+
+    path: str
+    module_type: str
+    reason: str
+
+
+@dataclass
+class TraceInfo:
+    leaves: list[LeafFallback] = field(default_factory=list)
+    seconds: float = 0.0
+    # True when forward's Python code depends on self.training (see fxopt.capture.train_eval)
+    mode_dependent: bool = False
+
+
+def structural_copy(model: nn.Module) -> nn.Module:
+    """New module objects all the way down, sharing the user's Parameter and buffer tensors.
+
+    A module used twice in the tree is copied once, so sharing (and tied weights) survives.
+    """
+    memo: dict[int, nn.Module] = {}
+
+    def copy_module(module: nn.Module) -> nn.Module:
+        if id(module) in memo:
+            return memo[id(module)]
+        new = copy.copy(module)
+        memo[id(module)] = new
+        for attr in ("_parameters", "_buffers", "_non_persistent_buffers_set",
+                     "_forward_hooks", "_forward_pre_hooks", "_backward_hooks"):
+            if attr in module.__dict__:
+                new.__dict__[attr] = copy.copy(module.__dict__[attr])
+        new.__dict__["_modules"] = {
+            name: None if child is None else copy_module(child)
+            for name, child in module._modules.items()
+        }
+        return new
+
+    return copy_module(model)
+
+
+class _FallbackTracer(fx.Tracer):
+    """A tracer that treats ``forced_leaves`` as leaves and remembers the innermost failing module.
+
+    Constructible without arguments: ``torch.load`` re-traces a saved GraphModule with its tracer
+    class (every submodule a leaf), so an optimized module saved with ``torch.save`` loads back."""
+
+    def __init__(self, forced_leaves: frozenset[str] | set[str] = frozenset()):
+        # A graph fxopt already checkpointed calls call_region(self._fxopt_region_0, ...):
+        # recorded as that call, not traced through (which would drop the checkpointing).
+        super().__init__(autowrap_functions=(call_region,))
+        self.forced_leaves = forced_leaves
+        self.record_stack_traces = True
+        # Buffers as graph values too (fx proxies only parameters by default): otherwise an
+        # in-place update in forward (self.count.add_(1)) runs once, eagerly, on the user's
+        # buffer while tracing, and is missing from the graph.
+        self.proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.forced_leaves or super().is_leaf_module(
+            m, module_qualified_name
+        )
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as error:
+            if not hasattr(error, "_fxopt_failed_module"):
+                error._fxopt_failed_module = self.path_of_module(m)  # type: ignore[attr-defined]
+            raise
+
+    def create_arg(self, a: Any) -> Any:
+        # fx records every dict as a plain dict; keep OrderedDict (torchvision's segmentation
+        # models and FPN backbones return one) the way fx keeps dataclasses: as a constructor call.
+        if isinstance(a, collections.OrderedDict):
+            return self.create_node("call_function", collections.OrderedDict,
+                                    (super().create_arg(dict(a)),), {})
+        if isinstance(a, CheckpointedRegion):
+            name = next((k for k, v in vars(self.root).items() if v is a), None)
+            if name is not None:
+                return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)
+
+
+def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule whose module tree *is* ``shell``'s, so state_dict keys and order match.
+
+    fx would otherwise copy only the attributes the graph uses (dropping unused parameters, and
+    modules only reached through a checkpointed region) and register tracer constants as buffers
+    (adding state_dict keys). Plain attributes the graph reads stay plain attributes.
+    """
+    gm = fx.GraphModule(shell, graph, class_name=type(shell).__name__)
+    constants = {n.target: operator.attrgetter(n.target)(gm) for n in graph.nodes
+                 if n.op == "get_attr"}
+    gm._modules.clear()
+    gm._modules.update(shell._modules)
+    gm._parameters = copy.copy(shell._parameters)
+    gm._buffers = copy.copy(shell._buffers)
+    gm._non_persistent_buffers_set = set(shell._non_persistent_buffers_set)
+    for target, value in constants.items():
+        owner_path, _, name = target.rpartition(".")
+        owner = gm.get_submodule(owner_path)
+        if not hasattr(owner, name):
+            # A tracer-made constant: a plain attribute, not a buffer, so not in state_dict.
+            object.__setattr__(owner, name, value)
+    gm.training = shell.training  # submodules keep their own flags (a frozen BN stays in eval)
+    return gm
+
+
+def _trace_both_modes(shell: nn.Module, forced: set[str], concrete: dict[str, Any]
+                      ) -> tuple[fx.Graph, fx.Graph]:
+    """Trace ``shell`` with every module in train mode, then in eval mode (flags restored)."""
+    flags = [(m, m.training) for m in shell.modules()]
+    try:
+        graphs = []
+        with user_checkpoints_refused():
+            for training in (True, False):
+                shell.train(training)
+                graphs.append(_FallbackTracer(forced).trace(shell, concrete_args=concrete or None))
+        return graphs[0], graphs[1]
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...] = ()) -> fx.GraphModule:
+    """Trace ``model`` into a GraphModule whose nodes carry ``meta["val"]`` (fake tensors).
+
+    ``leaf_modules`` names submodules (qualified paths) to keep opaque from the start. The
+    returned module's ``meta["fxopt_trace"]`` is a TraceInfo listing every leaf fallback.
+    """
+    args = check_inputs(model, example_inputs)
+    concrete = concrete_args(model, args)
+    start = time.perf_counter()
+    forced = set(leaf_modules)
+    info = TraceInfo()
+    while True:
+        shell = structural_copy(model)  # fresh each attempt: a failed trace leaves constants behind
+        try:
+            graph, eval_graph = _trace_both_modes(shell, forced, concrete)
+            break
+        except Exception as error:  # torch.fx raises many types; we re-raise all as TraceError
+            path = getattr(error, "_fxopt_failed_module", "")
+            if not path or path in forced:
+                raise TraceError(
+                    f"torch.fx cannot trace {type(model).__name__}.forward: "
+                    f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                    where=f"{path or '<root>'} at {user_frame(error)}",
+                    hint=root_failure_hint(error, model),
+                ) from error
+            forced.add(path)
+            info.leaves.append(LeafFallback(
+                path, type(shell.get_submodule(path)).__name__,
+                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} "
+                f"({user_frame(error)})",
+            ))
+    check_state_kept(model, shell)
+    gm = graph_module_like(shell, graph)
+    _rebind_regions(gm)
+    if not same_graph(graph, eval_graph, shell):
+        _attach_constants(gm, shell, eval_graph)
+        install_eval_graph(gm, eval_graph)
+        info.mode_dependent = True
+    propagate_meta_explained(model, gm, args)
+    info.seconds = time.perf_counter() - start
+    gm.meta["fxopt_trace"] = info
+    return gm
+
+
+def _rebind_regions(gm: fx.GraphModule) -> None:
+    """Checkpointed regions of a re-traced optimized module, running on ``gm``'s own modules.
+
+    The region objects came over from the traced module, their bodies still calling that
+    module's submodules (which ``gm.train()``/``eval()`` would not reach): give each a body
+    built on ``gm``.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(region := operator.attrgetter(node.target)(gm),
+                                                   CheckpointedRegion):
+            body = fx.GraphModule(gm, region.body.graph, class_name=type(region.body).__name__)
+            object.__setattr__(gm, node.target, CheckpointedRegion(body,
+                                                                    selective=region.selective))
+
+
+def _attach_constants(gm: fx.GraphModule, shell: nn.Module, graph: fx.Graph) -> None:
+    """Tracer-made constants ``graph`` reads, as plain attributes of ``gm`` (not state)."""
+    for node in graph.nodes:
+        if node.op == "get_attr" and not _has_path(gm, node.target):
+            owner_path, _, name = node.target.rpartition(".")
+            value = operator.attrgetter(node.target)(shell)
+            object.__setattr__(gm.get_submodule(owner_path), name, value)
+
+
+def _has_path(module: nn.Module, target: str) -> bool:
+    try:
+        operator.attrgetter(target)(module)
+        return True
+    except AttributeError:
+        return False

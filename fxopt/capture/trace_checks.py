@@ -1,0 +1,155 @@
+"""What tracing refuses, and how its failures are told to the user.
+
+- A forward that calls ``torch.utils.checkpoint`` would be traced *through*, silently dropping
+  the recomputation the user asked for: inside ``user_checkpoints_refused`` that raises
+  ``UserCheckpoint``, so the calling module becomes an opaque leaf that keeps it as written.
+- A forward that *assigns* a parameter or buffer runs once, eagerly, while tracing, and the
+  graph loses the update: ``check_state_kept`` raises ``TraceError`` naming it.
+- Shape propagation that fails is the model's fault (``InputError``: it does not run on these
+  inputs) or fxopt's (``TraceError``: an op without a fake kernel): ``propagate_meta_explained``
+  tells which by running the model once for real, only on that failure path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import fx, nn
+
+from fxopt.core.errors import FxoptError, InputError, TraceError
+from fxopt.capture.meta import propagate_meta
+from fxopt.core.state import preserved_state
+
+_TORCH_DIR = str(Path(torch.__file__).parent) + "/"  # the slash keeps torchvision out
+
+
+def user_frame(error: BaseException) -> str:
+    """The innermost traceback frame outside torch: where in the user's code tracing failed."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(_TORCH_DIR) and "/fxopt/" not in f.filename]
+    if not frames:
+        return "unknown source line"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+
+
+def node_source(node: fx.Node) -> str:
+    """The innermost user frame (outside torch and fxopt) of the node's recorded stack trace."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    frames = [(line.strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
+              for i, line in enumerate(lines) if line.strip().startswith("File ")]
+    user = [f for f in frames if _TORCH_DIR not in f[0] and "/fxopt/" not in f[0]]
+    if not user:
+        return "unknown source line"
+    return f"{user[-1][0]}: {user[-1][1]}"
+
+
+class UserCheckpoint(Exception):
+    """Raised while tracing when a forward calls ``torch.utils.checkpoint.checkpoint``."""
+
+
+@contextlib.contextmanager
+def user_checkpoints_refused() -> Iterator[None]:
+    """Inside: running ``torch.utils.checkpoint`` raises ``UserCheckpoint``.
+
+    Tracing through a user's checkpoint would inline its function and silently drop the
+    recomputation the user asked for; refusing it makes the calling module an opaque leaf,
+    which keeps the checkpoint exactly as written. Both variants are caught where
+    ``checkpoint()`` dispatches (the reentrant autograd Function, the non-reentrant generator);
+    on a torch without those names the checkpoint is traced through as before.
+    """
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise UserCheckpoint("calls torch.utils.checkpoint, which fxopt keeps as written")
+
+    with contextlib.ExitStack() as stack:
+        if hasattr(torch_checkpoint, "_checkpoint_without_reentrant_generator_impl"):
+            stack.enter_context(mock.patch.object(
+                torch_checkpoint, "_checkpoint_without_reentrant_generator_impl", refuse))
+        if hasattr(torch_checkpoint, "CheckpointFunction"):
+            stack.enter_context(mock.patch.object(
+                torch_checkpoint.CheckpointFunction, "apply", refuse))
+        yield
+
+
+def has_checkpointed_regions(model: nn.Module) -> bool:
+    graph = getattr(model, "graph", None)
+    return isinstance(graph, fx.Graph) and any(
+        getattr(n.target, "__name__", "") == "call_region" for n in graph.nodes)
+
+
+def root_failure_hint(error: BaseException, model: nn.Module) -> str:
+    """What to do when the root's own forward cannot be traced."""
+    if isinstance(error, UserCheckpoint) and has_checkpointed_regions(model):
+        return ("this module was already optimized by fxopt with checkpointed regions, which "
+                "cannot be traced again yet: optimize the original model instead.")
+    if isinstance(error, UserCheckpoint):
+        return ("move the torch.utils.checkpoint call into a submodule's forward (fxopt keeps "
+                "that submodule as written), or drop it and pass memory_budget= to let fxopt "
+                "plan the recomputation.")
+    return ("move data-dependent Python control flow (if/for on tensor values, int(tensor), "
+            "iterating a tensor) into a submodule, which fxopt then keeps as an opaque leaf, or "
+            "pass leaf_modules=(...) naming it.")
+
+
+def check_state_kept(model: nn.Module, shell: nn.Module) -> None:
+    """A forward that *assigns* a parameter or buffer (``self.count = self.count + 1``) runs
+    once, eagerly, while tracing, and the graph loses the update: refuse it."""
+    shell_modules = dict(shell.named_modules(remove_duplicate=False))
+    for path, module in model.named_modules(remove_duplicate=False):
+        copy_ = shell_modules.get(path)
+        for kind, table in (("parameter", "_parameters"), ("buffer", "_buffers")):
+            for name, tensor in getattr(module, table).items():
+                if copy_ is None or getattr(copy_, table).get(name) is not tensor:
+                    qualified = f"{path}.{name}" if path else name
+                    raise TraceError(
+                        f"{type(model).__name__}'s forward assigns a new tensor to {kind} "
+                        f"{qualified!r}; torch.fx records no assignment, so the optimized "
+                        "module would never update it",
+                        where=f"{type(module).__name__} ({path or '<root>'})",
+                        hint=f"update it in place instead (self.{name}.add_(1), "
+                        f"self.{name}.copy_(new_value)), or keep that module opaque with "
+                        f"leaf_modules=({path!r},)" if path else
+                        f"update it in place instead (self.{name}.add_(1), "
+                        f"self.{name}.copy_(new_value))")
+
+
+def propagate_meta_explained(model: nn.Module, gm: fx.GraphModule, args: tuple) -> None:
+    """``propagate_meta``, with a failure turned into an error that says whose fault it is."""
+    try:
+        propagate_meta(gm, args)
+    except FxoptError:
+        raise
+    except Exception as error:
+        node = getattr(error, "_fxopt_node", None)
+        where = (f"node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)})"
+                 f" at {node_source(node)}" if node is not None else "shape propagation")
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if runs_for_real(model, args):
+            raise TraceError(
+                f"fxopt could not compute shapes of {type(model).__name__} on fake tensors: "
+                f"{type(error).__name__}: {first}", where=where,
+                hint="the op has no fake-tensor (meta) kernel: keep the submodule that calls it "
+                "opaque with leaf_modules=('path.to.module',)") from error
+        raise InputError(
+            f"{type(model).__name__} does not run on these example inputs: "
+            f"{type(error).__name__}: {first}", where=where,
+            hint="check that model(*example_inputs) runs in train mode without fxopt (some models "
+            "need a minimum input size, or a batch of more than one for BatchNorm)") from error
+
+
+def runs_for_real(model: nn.Module, args: tuple) -> bool:
+    """Whether a train-mode forward of the user's model works (its state restored after)."""
+    try:
+        with preserved_state(model), torch.no_grad():
+            model.train()
+            model(*args)
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,142 @@
+"""One GraphModule for a model whose Python ``forward`` depends on ``self.training``.
+
+torch.fx records one path through ``forward``: code such as ``if self.training: aux = ...``
+(GoogLeNet, Inception), ``F.dropout(x, p, self.training)`` or torchvision's
+``stochastic_depth(x, p, mode, self.training)`` (EfficientNet, ConvNeXt, Swin) is frozen in the
+mode the model was traced in. fxopt therefore traces such a model twice, all modules in train mode
+and all in eval mode, and when the two graphs differ the optimized module keeps both: its graph is
+the train-mode graph (the one the passes rewrite, since training is where memory runs out), and
+its generated ``forward`` starts with ``if not self.training: return fxopt_eval_forward(self,
+...)``, which runs the untouched eval-mode graph on the same submodules, parameters and buffers.
+
+The dispatch lives in the graph's code generator (like torch.fx's own pytree code generator), so
+it survives ``recompile()`` and every pass that keeps ``graph._codegen`` when it builds a new graph.
+Tracing the optimized module again (optimizing it twice) sees ordinary Python and re-creates the
+dispatch. Leaf modules (BatchNorm, Dropout, opaque fallbacks) check their own ``training`` flag
+when they run, so they never need this.
+
+Not handled: pickling the module with ``torch.save(module)`` (save ``state_dict()`` instead), and a
+model whose non-leaf modules are left in mixed modes on purpose: the train-mode graph is the one
+with every module in train mode.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from fxopt.core.errors import TraceError
+
+_GLOBAL_NAME = "fxopt_eval_forward"
+
+
+class EvalForward:
+    """The eval-mode graph as a function of the train-mode GraphModule (same attribute names)."""
+
+    def __init__(self, eval_module: fx.GraphModule):
+        self.eval_module = eval_module
+        self.function = type(eval_module).forward
+
+    def __call__(self, root: torch.nn.Module, *args: Any) -> Any:
+        return self.function(root, *args)
+
+    def __deepcopy__(self, memo: dict) -> EvalForward:
+        # Stateless with respect to the module it runs on: a deep copy of the optimized module
+        # calls it with the copy as ``root``, so sharing it is correct (and copies no weights).
+        return self
+
+
+class ModeDispatchCodeGen(fx.graph.CodeGen):
+    """Generates ``forward`` with an eval-mode early return in front of the train-mode body.
+
+    The early return calls the global ``fxopt_eval_forward(self, ...)``, or with ``method`` set
+    (an exported module, which has no fxopt to import) ``self.<method>(...)``.
+    """
+
+    def __init__(self, eval_forward: EvalForward, *, method: str | None = None):
+        super().__init__()
+        self.eval_forward = eval_forward
+        self.method = method
+
+    def additional_globals(self) -> list[tuple[str, Any]]:
+        return [] if self.method else [(_GLOBAL_NAME, self.eval_forward)]
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, **kwargs: Any) -> str:
+        head = super().gen_fn_def(free_vars, maybe_return_annotation, **kwargs)
+        # free_vars entries may carry annotations and defaults ("x: torch.Tensor = None")
+        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars]
+        call = (f"self.{self.method}({', '.join(names[1:])})" if self.method
+                else f"{_GLOBAL_NAME}({', '.join(names)})")
+        return f"{head}\n    if not self.training:\n        return {call}"
+
+
+def same_graph(a: fx.Graph, b: fx.Graph, root: torch.nn.Module) -> bool:
+    """Whether two traces of one module recorded the same computation.
+
+    Tracer-made constants (``_tensor_constant0`` vs ``_tensor_constant1``) compare by value.
+    """
+    nodes_a, nodes_b = list(a.nodes), list(b.nodes)
+    if len(nodes_a) != len(nodes_b):
+        return False
+    index = {}
+    for i, (x, y) in enumerate(zip(nodes_a, nodes_b)):
+        index[x], index[y] = i, i
+        if x.op != y.op or not _same_target(x, y, root):
+            return False
+        mapped = [fx.node.map_arg((n.args, n.kwargs), lambda m: ("node", index[m]))
+                  for n in (x, y)]
+        try:
+            if mapped[0] != mapped[1]:
+                return False
+        except RuntimeError:  # tensors among the args do not compare as one bool
+            return False
+    return True
+
+
+def _same_target(x: fx.Node, y: fx.Node, root: torch.nn.Module) -> bool:
+    if x.target == y.target:
+        return True
+    if x.op != "get_attr":
+        return False
+    try:
+        values = [operator.attrgetter(n.target)(root) for n in (x, y)]
+    except AttributeError:
+        return False
+    return (all(isinstance(v, torch.Tensor) for v in values)
+            and values[0].shape == values[1].shape and values[0].dtype == values[1].dtype
+            and bool(torch.equal(values[0], values[1])))
+
+
+def install_eval_graph(gm: fx.GraphModule, eval_graph: fx.Graph) -> None:
+    """Make ``gm``'s forward run ``eval_graph`` whenever ``gm.training`` is False."""
+    if type(gm.graph._codegen) is not fx.graph.CodeGen:  # e.g. pytree-flattened arguments
+        raise TraceError(
+            f"{type(gm).__name__}.forward depends on self.training and its traced code uses "
+            f"{type(gm.graph._codegen).__name__}, which fxopt cannot combine with a per-mode graph",
+            where="forward", hint="pass plain tensors as example inputs, or move the "
+            "self.training branch into a submodule and list it in leaf_modules=(...)")
+    eval_module = fx.GraphModule(gm, eval_graph, class_name=f"{type(gm).__name__}Eval")
+    gm.graph.set_codegen(ModeDispatchCodeGen(EvalForward(eval_module)))
+    gm.recompile()
+
+
+def has_eval_graph(gm: fx.GraphModule) -> bool:
+    return isinstance(gm.graph._codegen, ModeDispatchCodeGen)
+
+
+def eval_graph(gm: fx.GraphModule) -> fx.Graph | None:
+    """The eval-mode graph ``gm`` dispatches to, or None when it has one graph for both."""
+    return gm.graph._codegen.eval_forward.eval_module.graph if has_eval_graph(gm) else None
+
+
+def dispatch_to_method(graph: fx.Graph, method: str) -> fx.Graph:
+    """A copy of ``graph`` whose code's eval-mode early return calls ``self.<method>``."""
+    copied = fx.Graph()
+    output = copied.graph_copy(graph, {})
+    copied.output(output)
+    copied.set_codegen(ModeDispatchCodeGen(graph._codegen.eval_forward, method=method))
+    return copied

@@ -1,0 +1,308 @@
+"""``fxopt`` command line: argparse -> API -> printed table. No logic of its own.
+
+Subcommands: ``optimize`` (rewrite, verify, compare, export), ``report`` (memory breakdown,
+lints, memory plot), ``check`` (the CI equivalence gate), ``bench`` (original vs fxopt vs peers).
+Errors are one block -- what, where, what to do -- without a traceback unless ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+EPILOG = """\
+TARGET is zoo:NAME (a models_zoo model), path/to/file.py:ClassOrFactory or
+package.module:factory (a class or a function called without arguments).
+
+exit codes:
+  0  ok (check: every run matched)
+  1  equivalence mismatch: the optimized model computes something else
+  2  usage, input, trace, configuration or budget error (the message says what to do)
+  3  internal error: a bug in fxopt (rerun with --debug and report the traceback)
+"""
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    from fxopt.core.errors import InputError
+    from fxopt.cli.targets import parse_shape
+    try:
+        return parse_shape(text)
+    except InputError as error:
+        raise argparse.ArgumentTypeError(f"{error.what} ({error.hint})") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _budget(text: str | None) -> int | float | str | None:
+    if text is None:
+        return None
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        return text
+
+
+def _common(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    parser.add_argument("target", nargs="+" if several else None,
+                        help="zoo:NAME, path/to/file.py:ClassOrFactory or package.module:factory")
+    parser.add_argument("--input-shape", type=_shape, default=None,
+                        help="shape of the example input, e.g. 8,3,224,224 (zoo models have one)")
+    parser.add_argument("--dtype", default="float32",
+                        choices=["float32", "float16", "bfloat16", "float64", "int64"])
+    parser.add_argument("--weights", help="a state_dict saved with torch.save")
+    parser.add_argument("--passes", default=None,
+                        help="e.g. inplace,checkpoint{budget=0.5},reorder (default: all defaults)")
+    parser.add_argument("--memory-budget", default=None,
+                        help="bytes, '2GiB', '300MB' or a fraction of activation memory (0.5)")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxopt", description=__doc__.splitlines()[0],
+                                     epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=summary, epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    opt = command("optimize", "rewrite a model, verify it, print before/after memory and time, "
+                              "and export it (--out) as a folder that loads with plain torch")
+    _common(opt)
+    opt.add_argument("--out", help="write the exported module, its weights and report.json here")
+    opt.add_argument("--no-verify", action="store_true", help="skip the equivalence check")
+    opt.add_argument("--repeats", type=_positive, default=5, help="timed training steps (default 5)")
+
+    rep = command("report", "memory breakdown, seed-document lints and memory.png (memory over "
+                            "a training step, before and after optimization); writes no model")
+    _common(rep)
+    rep.add_argument("--for-inference", action="store_true",
+                     help="the model is meant for inference: flag layers left in train mode")
+    rep.add_argument("--plot", default="memory.png", help="where to draw (default memory.png)")
+    rep.add_argument("--no-plot", action="store_true", help="draw nothing (no matplotlib needed)")
+    rep.add_argument("--top", type=_positive, default=8, help="saved tensors to list (default 8)")
+    rep.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    chk = command("check", "the CI equivalence gate: optimize, then verify outputs, gradients "
+                           "and buffers on several random inputs (and batch sizes)")
+    _common(chk)
+    chk.add_argument("--seeds", type=_ints, default=[0, 1], help="e.g. 0,1,2 (default 0,1)")
+    chk.add_argument("--batch-sizes", type=_ints, default=None, help="e.g. 1,4")
+    chk.add_argument("--json", action="store_true",
+                     help="print the result as JSON (schema fxopt.check/1, see fxopt.check)")
+
+    ben = command("bench", "peak memory and step time of the original vs fxopt vs peers, for "
+                           "one or several targets and budgets")
+    _common(ben, several=True)
+    ben.add_argument("--budgets", default=None,
+                     help="several budgets to compare, e.g. 0.3,0.5,0.7 (else --memory-budget)")
+    ben.add_argument("--peers", default=None,
+                     help="comma-separated, or none (default: checkpoint_sequential,"
+                          "torch_compile_min_cut)")
+    ben.add_argument("--repeats", type=_positive, default=5, help="timed steps per variant")
+    ben.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def _load(args: argparse.Namespace, target: str | None = None) -> tuple[Any, tuple]:
+    from fxopt.cli.targets import load_target
+    return load_target(target or args.target, input_shape=args.input_shape, dtype=args.dtype,
+                       weights=args.weights)
+
+
+_BARS: list[Any] = []  # progress bars to end cleanly when an error stops the work
+
+
+def _progress(title: str) -> Any:
+    from fxopt.cli.progress import Progress
+    _BARS.append(Progress(title))
+    return _BARS[-1]
+
+
+def _optimize(args: argparse.Namespace) -> int:
+    from fxopt.api import optimize
+    from fxopt.measure.compare import compare
+    from fxopt.export.writer import export
+
+    model, inputs = _load(args)
+    progress = _progress("fxopt optimize")
+    steps = 3 if args.out else 2
+    progress(0, steps, "optimizing")
+    gm = optimize(model, inputs, passes=args.passes, memory_budget=_budget(args.memory_budget),
+                  verify=not args.no_verify)
+    progress(1, steps, "measuring")
+    comparison = compare(model, gm, inputs, repeats=args.repeats)
+    if args.out:
+        progress(2, steps, "exporting")
+        result = export(gm, args.out, example_inputs=inputs)
+    progress(steps, steps, "done")
+    print(gm.fxopt_report)
+    print(comparison)
+    if args.out:
+        document = {"target": args.target, "input_shapes": [list(t.shape) for t in inputs],
+                    **gm.fxopt_report.as_dict(), "comparison": comparison.as_dict(),
+                    "export": result.as_dict()}
+        (Path(args.out) / "report.json").write_text(json.dumps(document, indent=2, default=str))
+        print(result)
+        print(f"wrote {Path(args.out) / 'report.json'}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from fxopt.api import optimize
+    from fxopt.measure.breakdown import memory_breakdown
+    from fxopt.measure.advice import run_lints
+    from fxopt.measure.plot import plot_timelines
+    from fxopt.measure.timeline import training_timeline
+    from fxopt.capture.trace import trace
+
+    model, inputs = _load(args)
+    progress = _progress("fxopt report")
+    steps = 2 if args.no_plot else 4
+    progress(0, steps, "tracing")
+    traced = trace(model, inputs)
+    progress(1, steps, "measuring")
+    breakdown = memory_breakdown(model, inputs, gm=traced)
+    lints = run_lints(traced, inputs, for_inference=args.for_inference)
+    if not args.json:
+        progress.close()
+        print(breakdown.format(top=args.top))
+        print(f"lints ({len(lints)}):" if lints else "lints: none")
+        for lint in lints:
+            print("  " + str(lint).replace("\n", "\n  "))
+    timelines = []
+    if not args.no_plot:
+        progress(2, steps, "optimizing")
+        optimized = optimize(model, inputs, passes=args.passes,
+                             memory_budget=_budget(args.memory_budget))
+        progress(3, steps, "timelines")
+        timelines = [training_timeline(model, inputs, label="before"),
+                     training_timeline(optimized, inputs, label="after fxopt")]
+        path = plot_timelines(timelines, args.plot, title=f"{args.target}: one training step")
+        peaks = ", ".join(f"{t.label} peak {t.peak_bytes / 2**20:.1f} MiB" for t in timelines)
+        progress(4, steps, "done")
+        print(f"wrote {path} ({peaks})", file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps({"breakdown": breakdown.as_dict(top=args.top),
+                          "lints": [lint.as_dict() for lint in lints],
+                          "timelines": [{k: v for k, v in t.as_dict().items()
+                                         if k not in ("ops", "live_bytes")} for t in timelines]},
+                         indent=2))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from fxopt.check import check_equivalence
+
+    model, inputs = _load(args)
+    progress = _progress("fxopt check")
+    result, _ = check_equivalence(model, inputs, passes=args.passes,
+                                  memory_budget=_budget(args.memory_budget), seeds=args.seeds,
+                                  batch_sizes=args.batch_sizes, progress=progress)
+    result.target = args.target
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result)
+    return 0 if result.ok else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from fxopt.bench.runs import DEFAULT_PEERS, bench, format_table
+
+    budgets = [_budget(b) for b in args.budgets.split(",")] if args.budgets else [
+        _budget(args.memory_budget)]
+    peers = DEFAULT_PEERS if args.peers is None else tuple(
+        p for p in args.peers.split(",") if p and p != "none")
+    jobs = [(target, budget) for target in args.target for budget in budgets]
+    per_job = 2 + len(peers)
+    progress = _progress("fxopt bench")
+    results = []
+    for index, (target, budget) in enumerate(jobs):
+        model, inputs = _load(args, target)
+        rows = bench(model, inputs, passes=args.passes, memory_budget=budget, peers=peers,
+                     repeats=args.repeats,
+                     progress=lambda done, total, label, base=index * per_job: progress(
+                         base + done, len(jobs) * per_job, f"{target} {label}"))
+        results.append({"target": target, "memory_budget": budget,
+                        "rows": [row.as_dict() for row in rows]})
+        if not args.json:
+            print(f"{target}, memory budget {budget or 'none'}:\n{format_table(rows)}\n")
+    if args.json:
+        print(json.dumps({"schema": "fxopt.bench/1", "results": results}, indent=2))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "optimize": _optimize, "report": _report, "check": _check, "bench": _bench}
+
+
+def _print_error(args: argparse.Namespace, error: Exception, code: int) -> None:
+    from fxopt.check import SCHEMA
+
+    for bar in _BARS:
+        bar.close()
+    print(f"fxopt: {error}", file=sys.stderr)
+    if args.command == "check" and getattr(args, "json", False):
+        print(json.dumps({"schema": SCHEMA, "ok": False, "target": args.target, "runs": [],
+                          "error": {"type": type(error).__name__,
+                                    "message": str(error), "exit_code": code}}, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.debug:  # torch logs tracebacks of failed fake-tensor ops; fxopt's error says it
+        logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    from fxopt.core.errors import EquivalenceError, FxoptError
+
+    try:
+        return COMMANDS[args.command](args)
+    except EquivalenceError as error:
+        if args.debug:
+            raise
+        _print_error(args, error, 1)
+        return 1
+    except FxoptError as error:
+        if args.debug:
+            raise
+        _print_error(args, error, 2)
+        return 2
+    except KeyboardInterrupt:
+        for bar in _BARS:
+            bar.close()
+        print("fxopt: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # a bug: one line and how to get the traceback
+        if args.debug:
+            raise
+        for bar in _BARS:
+            bar.close()
+        print(f"fxopt: internal error: {type(error).__name__}: {error}\n"
+              "  what to do: rerun with --debug for the traceback and report it", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

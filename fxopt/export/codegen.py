@@ -1,0 +1,200 @@
+"""Generate ``model.py``: an optimized GraphModule as a Python module that needs only torch.
+
+``generate(gm, class_name)`` returns the module's source, the tensors it loads that are not in
+``state_dict()`` (tracer constants, in ``constants.pt``), the fxopt runtime modules to copy next
+to it and the outside modules it imports. The module holds:
+
+- a header of small helpers (loading a runtime copy by path, making a module without running
+  its ``__init__``, a zero parameter, torch.fx's attribute copy for region bodies);
+- one class per checkpointed region body, whose ``forward`` is torch.fx's own code generation of
+  the body graph and whose ``__init__`` takes the root's modules exactly as torch.fx does;
+- the model class: ``__init__`` rebuilds the module tree (``fxopt.export.module_tree``), attaches the
+  constants and the regions (``CheckpointedRegion`` from the copied ``fxopt.runtime.regions``), and
+  ``forward`` is torch.fx's code generation of the root graph;
+- ``load(map_location)``: the class with ``state_dict.pt`` loaded (``weights_only=True``).
+
+Names are described in ``fxopt.export.names``, the tree in ``fxopt.export.module_tree``.
+"""
+
+from __future__ import annotations
+
+import keyword
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from fxopt.core.errors import ExportError
+from fxopt.export.names import Imports
+from fxopt.export.module_tree import TreeWriter, called_modules
+from fxopt.capture.train_eval import dispatch_to_method, eval_graph
+from fxopt.runtime.regions import CheckpointedRegion
+
+# The method an exported module runs in eval mode when its forward depends on self.training
+# (see fxopt.capture.train_eval): the eval-mode graph, generated like forward.
+EVAL_METHOD = "_forward_eval"
+
+HEADER = '''\
+import importlib.util
+import sys
+import weakref
+from math import inf, nan
+from pathlib import Path
+
+import torch
+import torch.fx._pytree as fx_pytree
+import torch.utils._pytree as pytree
+from torch import device
+
+NoneType = type(None)
+_HERE = Path(__file__).resolve().parent
+
+
+def _runtime(filename):
+    """Load a runtime file of this folder under a name unique to the folder."""
+    path = _HERE / filename
+    name = f"_fxopt_export_{abs(hash(str(path)))}_{path.stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _new(cls):
+    """An instance of ``cls`` without running its __init__ (as pickle makes one)."""
+    module = cls.__new__(cls)
+    torch.nn.Module.__init__(module)
+    return module
+
+
+def _param(shape, dtype, requires_grad):
+    return torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=requires_grad)
+
+
+def _copy_attr(root, body, target):
+    """Give ``body`` the module, parameter or buffer ``target`` of ``root`` (as torch.fx does)."""
+    *prefix, name = target.split(".")
+    for item in prefix:
+        source, dest = getattr(root, item), getattr(body, item, None)
+        if source is dest:
+            return
+        if dest is None:
+            dest = torch.nn.Module()
+            setattr(body, item, dest)
+        root, body = source, dest
+    value = getattr(root, name)
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        body.register_buffer(name, value, persistent=name not in root._non_persistent_buffers_set)
+    else:
+        setattr(body, name, value)
+'''
+
+
+@dataclass
+class Generated:
+    source: str
+    class_name: str
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    runtime_files: dict[str, str] = field(default_factory=dict)   # file name -> source text
+    needs: list[str] = field(default_factory=list)                 # modules besides torch
+    regions: int = 0
+
+
+_TAKEN = frozenset({"load", "torch", "device", "inf", "nan", "NoneType", "Path", "sys", "weakref",
+                    "importlib", "fx_pytree", "pytree"})
+
+
+def python_identifier(name: str) -> str:
+    """``name`` made a class name that is valid and clashes with nothing in the module."""
+    cleaned = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "Model"
+    clashes = (cleaned[0].isdigit() or cleaned.startswith("_") or cleaned in _TAKEN
+               or keyword.iskeyword(cleaned))
+    return f"Exported{cleaned}" if clashes else cleaned
+
+
+def _attach_constants(gm: fx.GraphModule, graphs: list[fx.Graph], tree: TreeWriter,
+                      regions: dict) -> None:
+    """Tensors the graphs read that are no parameter or buffer (tracer constants)."""
+    known = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
+    attached: set[str] = set()
+    for node in (n for graph in graphs for n in graph.nodes):
+        if node.op != "get_attr" or node.target in regions or node.target in attached:
+            continue
+        attached.add(node.target)
+        value = operator.attrgetter(node.target)(gm)
+        if isinstance(value, nn.Module) or id(value) in known:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise ExportError(f"cannot export: the graph reads {node.target!r}, a "
+                              f"{type(value).__name__}", where=f"node {node.name}",
+                              hint="only tensors, parameters, buffers and modules can be exported")
+        owner, _, name = node.target.rpartition(".")
+        owner_expr = f"self.get_submodule({owner!r})" if owner else "self"
+        tree.lines.append(f"object.__setattr__({owner_expr}, {name!r}, "
+                          f"{tree.constant(value, node.target)})")
+
+
+def _region_class(attr: str, region: CheckpointedRegion, name: str, imports: Imports) -> str:
+    graph = region.body.graph
+    targets = tuple(dict.fromkeys(n.target for n in graph.nodes
+                                  if n.op in ("get_attr", "call_module")))
+    return (f"class {name}(torch.nn.Module):\n"
+            f"    \"\"\"The body of checkpointed region {attr}.\"\"\"\n\n"
+            f"    def __init__(self, root):\n"
+            f"        super().__init__()\n"
+            f"        for target in {targets!r}:\n"
+            f"            _copy_attr(root, self, target)\n\n"
+            f"{imports.forward_source(graph, f'region {attr}')}\n")
+
+
+def generate(gm: fx.GraphModule, class_name: str) -> Generated:
+    """The source of ``model.py`` for ``gm`` and what it needs (see the module docstring)."""
+    imports = Imports()
+    attributes = {n.target: operator.attrgetter(n.target)(gm) for n in gm.graph.nodes
+                  if n.op == "get_attr"}
+    regions = {t: v for t, v in attributes.items() if isinstance(v, CheckpointedRegion)}
+    in_eval = eval_graph(gm)
+    graphs = [gm.graph, *([in_eval] if in_eval is not None else [])]
+    tree = TreeWriter(imports, called_modules(gm, [*graphs, *(r.body.graph
+                                                              for r in regions.values())]))
+    tree.module(gm)
+    _attach_constants(gm, graphs, tree, regions)
+    classes = []
+    for index, (attr, region) in enumerate(regions.items()):
+        body = f"_RegionBody{index}"
+        classes.append(_region_class(attr, region, body, imports))
+        runtime_class = imports.reference(type(region), f"region {attr}")
+        tree.lines.append(f"object.__setattr__(self, {attr!r}, {runtime_class}({body}(self), "
+                          f"selective={bool(region.selective)!r}))")
+    if in_eval is None:
+        forward = imports.forward_source(gm.graph, "forward")
+    else:
+        forward = "\n\n".join([
+            imports.forward_source(dispatch_to_method(gm.graph, EVAL_METHOD), "forward"),
+            imports.forward_source(in_eval, "eval-mode forward", name=EVAL_METHOD)])
+    init = ["    def __init__(self):", "        super().__init__()"]
+    if tree.constants:
+        init.append("        _constants = torch.load(_HERE / 'constants.pt', weights_only=True)")
+    init += ["        " + line for line in tree.lines]
+    needs = f" and {', '.join(imports.needs)}" if imports.needs else ""
+    source = "\n".join([
+        f'"""{class_name} as optimized by fxopt, written as plain PyTorch (needs torch'
+        f'{needs}).\n\nmodel = load()  # or {class_name}() then load_state_dict(...)\n"""\n',
+        HEADER, *imports.lines,
+        *(f"{name} = {expr}" for name, expr in imports.fx_globals.items()), "",
+        f"__all__ = [{class_name!r}, 'load']", "", "", *classes,
+        f"class {class_name}(torch.nn.Module):",
+        f'    """{class_name} as optimized by fxopt; weights: load() or load_state_dict()."""\n',
+        *init, "", forward, "", "",
+        "def load(map_location='cpu'):",
+        f'    """A {class_name} with the exported weights (state_dict.pt)."""',
+        f"    model = {class_name}()",
+        "    state = torch.load(_HERE / 'state_dict.pt', map_location=map_location, "
+        "weights_only=True)",
+        "    model.load_state_dict(state)",
+        "    return model.to(map_location)", ""])
+    return Generated(source, class_name, dict(tree.constants), dict(imports.runtime_files),
+                     list(imports.needs), len(regions))

@@ -1,0 +1,137 @@
+"""How the generated module names what it uses: imports, and copies of fxopt's torch-only runtime.
+
+``Imports.reference(obj)`` gives an expression for a function or class in the generated source
+and records the import it needs: from torch; from the module that defines it (a user's own
+function or leaf class: that module must then be importable where the export is loaded, and is
+listed in ``needs``); or, for fxopt's own modules that import nothing but torch and the standard
+library (``fxopt.runtime.regions``), from a copy of that module written next to the generated one.
+Anything else -- objects defined inside a function or in ``__main__``, fxopt modules that need
+more than torch -- is an ``ExportError``.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import inspect
+import sys
+from typing import Any
+
+from torch import fx
+
+from fxopt.core.errors import ExportError
+
+_OWN_DISTRIBUTION = ("fxopt", "passes", "models_zoo")
+# fx's generated code uses these without an import of its own; the generated header has them.
+FX_BUILTINS = frozenset({"inf", "nan", "NoneType", "torch", "device", "fx_pytree", "pytree"})
+
+
+def is_torch_only(source: str) -> bool:
+    """Whether a module's top-level imports are all torch, the standard library or __future__."""
+    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                return False
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name.split(".")[0] not in allowed for name in names):
+            return False
+    return True
+
+
+def qualified_name(obj: Any) -> tuple[str, str] | None:
+    """(module, qualname) under which ``obj`` can be imported back, or None."""
+    module_name, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    candidates = [(module_name, qualname)] if module_name and qualname else []
+    name = getattr(obj, "__name__", None)
+    if name:  # builtins of torch's C extension often have no usable __module__
+        candidates += [("torch", name), ("torch.nn.functional", name)]
+    for module_name, qualname in candidates:
+        if module_name == "__main__" or "<locals>" in qualname:
+            continue
+        try:
+            target: Any = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                target = getattr(target, part)
+        except (ImportError, AttributeError):
+            continue
+        if target is obj:
+            return module_name, qualname
+    return None
+
+
+class Imports:
+    """The import lines, runtime copies and outside modules a generated module needs."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.runtime_files: dict[str, str] = {}       # file name -> source text
+        self.needs: list[str] = []                     # modules besides torch, in first-use order
+        self.fx_globals: dict[str, str] = {}           # a name fx's code uses -> its expression
+        self._modules: dict[str, str] = {}             # module name -> alias
+
+    def reference(self, obj: Any, where: str) -> str:
+        """An expression naming the function or class ``obj`` in the generated module."""
+        found = qualified_name(obj)
+        if found is None:
+            raise ExportError(
+                f"cannot export: {where} is {obj!r}, which cannot be imported by name",
+                where=where,
+                hint="define it at module level in an importable module (not inside a function "
+                     "or in __main__)")
+        module_name, qualname = found
+        return f"{self.module(module_name, where)}.{qualname}"
+
+    def module(self, module_name: str, where: str) -> str:
+        """An alias of the imported module ``module_name``."""
+        if module_name in self._modules:
+            return self._modules[module_name]
+        alias = f"_import_{len(self._modules)}"
+        root = module_name.split(".")[0]
+        if root in _OWN_DISTRIBUTION:
+            source = inspect.getsource(importlib.import_module(module_name))
+            if not is_torch_only(source):
+                raise ExportError(
+                    f"cannot export standalone: {where} uses {module_name}, which needs more "
+                    "than torch", where=where,
+                    hint="leave out the pass that introduced it, or keep fxopt installed and use "
+                         "the optimized module from Python")
+            filename = f"_runtime_{module_name.replace('.', '_')}.py"
+            self.runtime_files[filename] = source
+            self.lines.append(f"{alias} = _runtime({filename!r})")
+        else:
+            if root != "torch" and module_name not in self.needs:
+                self.needs.append(module_name)
+            self.lines.append(f"import {module_name} as {alias}")
+        self._modules[module_name] = alias
+        return alias
+
+    def forward_source(self, graph: fx.Graph, where: str, name: str = "forward") -> str:
+        """``def <name>(self, ...)`` from torch.fx's code generation, indented for a class; the
+        globals it uses become module-level names of the generated module."""
+        code = graph.python_code(root_module="self")
+        code.src = code.src.replace("def forward(", f"def {name}(", 1)
+        for name, obj in code.globals.items():
+            if name in FX_BUILTINS or getattr(builtins, name, None) is obj:
+                continue
+            expr = self._global(obj, f"{where}: global {name}")
+            if self.fx_globals.setdefault(name, expr) != expr:
+                raise ExportError(f"cannot export: two graphs use the name {name!r} for different "
+                                  "objects", where=where, hint="report this as an fxopt bug")
+        lines = code.src.strip("\n").splitlines()
+        return "\n".join("    " + line if line.strip() else "" for line in lines)
+
+    def _global(self, obj: Any, where: str) -> str:
+        """A function or class, a string annotation, or a typing form (``typing.Optional``)."""
+        if obj is None or isinstance(obj, (str, int, float, bool)):
+            return repr(obj)
+        typing_name = getattr(obj, "_name", None)
+        if getattr(obj, "__module__", None) == "typing" and typing_name and \
+                qualified_name(obj) is None:
+            return f"{self.module('typing', where)}.{typing_name}"
+        return self.reference(obj, where)

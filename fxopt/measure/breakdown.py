@@ -1,0 +1,130 @@
+"""Where the memory of a training step goes: what ``fxopt report`` prints.
+
+``memory_breakdown(model, example_inputs)`` combines two figures:
+
+- measured (``fxopt.measure.measure_train_step``): the peak of one training step split into
+  parameters, buffers, inputs, parameter gradients and activations live at the peak;
+- asked of autograd (``fxopt.analysis.saved_for_backward`` on fake tensors): every tensor saved
+  for backward, with the layer that computed it and the layers whose backward keeps it, largest
+  first. Tensors autograd saves that are no graph value (BatchNorm's mean and inverse std, dropout
+  masks, max-pool indices) are listed as "internal" of the layer that saved them.
+
+A layer is named by its module path and class (``layer1.0.conv1 (Conv2d)``); a function call
+at the model's own level by its node and the source line that made it (``relu:
+x = F.relu(self.conv1(x))``). Parameters saved for backward are not listed: they are counted
+as parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_leaves
+
+from fxopt.analysis import saved_for_backward
+from fxopt.measure.advice import user_source_line
+from fxopt.measure.peaks import MemoryFigure, format_bytes, measure_train_step
+from fxopt.capture.meta import placeholder_values
+from fxopt.capture.trace import trace
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    value: str                 # graph value name, or "(internal)"
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    produced_by: str           # the layer that computed it ("input" for a model input)
+    kept_for: tuple[str, ...]  # the layers whose backward keeps it
+
+
+@dataclass
+class Breakdown:
+    model: str
+    train: MemoryFigure
+    saved: list[SavedTensor] = field(default_factory=list)   # largest first, all of them
+    saved_bytes: int = 0                                      # each storage counted once
+
+    def as_dict(self, top: int | None = None) -> dict[str, Any]:
+        return {"model": self.model, "train": self.train.as_dict(),
+                "saved_bytes": self.saved_bytes,
+                "saved": [asdict(s) for s in self.saved[:top]]}
+
+    def format(self, top: int = 8) -> str:
+        f = self.train
+        lines = [f"memory of one training step of {self.model} (measured on {f.device}: "
+                 f"{f.method})",
+                 f"  peak                       {format_bytes(f.peak_bytes):>10}"]
+        for label, value in (("parameters", f.params_bytes), ("buffers", f.buffers_bytes),
+                             ("inputs", f.inputs_bytes),
+                             ("gradients at the peak", f.grads_at_peak_bytes),
+                             ("activations at the peak", f.activations_at_peak_bytes)):
+            lines.append(f"    {label:<25}{format_bytes(value):>10}")
+        lines.append(f"  saved for backward: {format_bytes(self.saved_bytes)} in "
+                     f"{len(self.saved)} tensors; the largest:")
+        for s in self.saved[:top]:
+            shape = "x".join(map(str, s.shape)) if s.shape else ""
+            lines.append(f"    {format_bytes(s.nbytes):>10}  {s.value:<14} {shape:<16} "
+                         f"{s.dtype:<8} made by {s.produced_by}; kept for "
+                         f"{', '.join(s.kept_for)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def layer_of(gm: fx.GraphModule, node: fx.Node, *, detailed: bool = True) -> str:
+    """The layer that owns ``node``: its module path (and class), or its node name (and source
+    line)."""
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "call_module":
+        kind = f" ({type(gm.get_submodule(node.target)).__name__})" if detailed else ""
+        return f"{node.target}{kind}"
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path, kind = list(stack.values())[-1]
+        return f"{path} ({getattr(kind, '__name__', kind)})" if detailed else path
+    line = user_source_line(node) if detailed else ""
+    return f"{node.name}: {line}" if line else node.name
+
+
+def _storage_bytes(value: Any) -> tuple[int, tuple[int, ...], str]:
+    tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return 0, (), ""
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    first = tensors[0]
+    return sum(storages.values()), tuple(first.shape), str(first.dtype).removeprefix("torch.")
+
+
+def saved_tensors(gm: fx.GraphModule) -> tuple[list[SavedTensor], int]:
+    """Every tensor saved for backward in ``gm`` (largest first) and their unique bytes."""
+    infos = saved_for_backward(gm, placeholder_values(gm))
+    kept: dict[fx.Node, list[str]] = {}
+    internal: list[SavedTensor] = []
+    for node, info in infos.items():
+        for value in info.values:
+            kept.setdefault(value, []).append(layer_of(gm, node, detailed=False))
+        if info.internal_bytes:
+            internal.append(SavedTensor("(internal)", (), "", info.internal_bytes,
+                                        layer_of(gm, node), (layer_of(gm, node, detailed=False),)))
+    saved = []
+    for value, users in kept.items():
+        nbytes, shape, dtype = _storage_bytes(value.meta.get("val"))
+        saved.append(SavedTensor(value.name, shape, dtype, nbytes, layer_of(gm, value),
+                                 tuple(dict.fromkeys(users))))
+    everything = sorted(saved + internal, key=lambda s: -s.nbytes)
+    return everything, sum(s.nbytes for s in everything)
+
+
+def memory_breakdown(model: nn.Module, example_inputs: Any, *,
+                     gm: fx.GraphModule | None = None) -> Breakdown:
+    """Measured peak split by kind, and the tensors saved for backward (see the docstring)."""
+    traced = gm if gm is not None else trace(model, example_inputs)
+    saved, saved_bytes = saved_tensors(traced)
+    return Breakdown(type(model).__name__, measure_train_step(model, example_inputs), saved,
+                     saved_bytes)

@@ -1,0 +1,150 @@
+"""Measured peak memory of one training step and of one inference forward.
+
+Measured, not estimated. On CPU the figure is exact: ``LiveStorageTracker`` counts every tensor
+storage allocated during the step (views and in-place results are not allocations) on top of the
+baseline of parameters, buffers and inputs. On CUDA it is the caching allocator's
+``max_memory_allocated`` over the step, from the ``memory_allocated`` before it (the baseline);
+there the split of the peak into gradients and activations is not known and is reported as 0
+gradients, and allocator rounding (512-byte blocks) is included.
+
+A training step is ``fxopt.core.step.training_step`` with every ``.grad`` cleared first (like
+``optimizer.zero_grad(set_to_none=True)``); inference is one forward in eval mode under
+``torch.no_grad()``. Both run under ``preserved_state``: the module's grads, buffers (BatchNorm
+statistics), training flags and the RNG are exactly as before afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.core.state import preserved_state
+from fxopt.core.step import as_args, training_step
+from fxopt.core.inputs import refuse_meta_tensors
+
+
+@dataclass(frozen=True)
+class MemoryFigure:
+    mode: str                       # "train" | "inference"
+    device: str
+    method: str
+    peak_bytes: int                 # live tensor bytes at the peak, baseline included
+    baseline_bytes: int             # params + buffers + inputs, alive before the step
+    params_bytes: int
+    buffers_bytes: int
+    inputs_bytes: int
+    grads_at_peak_bytes: int        # parameter/input gradients live at the peak
+    activations_at_peak_bytes: int  # the rest of what the step added at the peak
+
+    @property
+    def step_peak_bytes(self) -> int:
+        return self.peak_bytes - self.baseline_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "step_peak_bytes": self.step_peak_bytes}
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    train: MemoryFigure
+    inference: MemoryFigure
+
+
+def format_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def _unique_bytes(tensors: Any, seen: set[int]) -> int:
+    total = 0
+    for t in tree_leaves(tensors):
+        if isinstance(t, torch.Tensor):
+            key = t.untyped_storage()._cdata
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def _device(module: nn.Module, inputs: tuple) -> torch.device:
+    for t in list(module.parameters()) + [a for a in inputs if isinstance(a, torch.Tensor)]:
+        return t.device
+    return torch.device("cpu")
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return str(device)
+
+
+def _measure(module: nn.Module, example_inputs: Any, mode: str) -> MemoryFigure:
+    inputs = as_args(example_inputs)
+    refuse_meta_tensors("measure", module, inputs)
+    device = _device(module, inputs)
+    seen: set[int] = set()
+    params = _unique_bytes(list(module.parameters()), seen)
+    buffers = _unique_bytes(list(module.buffers()), seen)
+    input_bytes = _unique_bytes(inputs, seen)
+    baseline = params + buffers + input_bytes
+    with preserved_state(module):
+        for p in module.parameters():
+            p.grad = None
+        if mode == "train":
+            module.train()
+        else:
+            module.eval()
+
+        def run() -> None:
+            if mode == "train":
+                training_step(module, inputs)
+            else:
+                with torch.no_grad():
+                    module(*inputs)
+
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            run()
+            torch.cuda.synchronize(device)
+            step_peak = torch.cuda.max_memory_allocated(device) - before
+            grads_at_peak, method = 0, "CUDA caching allocator"
+        else:
+            tracker = LiveStorageTracker()
+            with tracker:
+                run()
+            step_peak = tracker.peak_bytes
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            grads_at_peak = tracker.bytes_at_peak(grads)
+            method = "live-storage tracking (exact)"
+    return MemoryFigure(
+        mode=mode, device=_describe(device), method=method,
+        peak_bytes=baseline + step_peak, baseline_bytes=baseline, params_bytes=params,
+        buffers_bytes=buffers, inputs_bytes=input_bytes, grads_at_peak_bytes=grads_at_peak,
+        activations_at_peak_bytes=step_peak - grads_at_peak,
+    )
+
+
+def measure_train_step(module: nn.Module, example_inputs: Any) -> MemoryFigure:
+    """Measured peak of one forward + backward (grads start as None)."""
+    return _measure(module, example_inputs, "train")
+
+
+def measure_inference(module: nn.Module, example_inputs: Any) -> MemoryFigure:
+    """Measured peak of one eval-mode forward under ``torch.no_grad()``."""
+    return _measure(module, example_inputs, "inference")
+
+
+def measure(module: nn.Module, example_inputs: Any) -> MemoryReport:
+    return MemoryReport(measure_train_step(module, example_inputs),
+                        measure_inference(module, example_inputs))

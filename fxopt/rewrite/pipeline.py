@@ -1,0 +1,186 @@
+"""Config, and the one loop that runs passes, lints after each, and records what each did.
+
+``run_passes(gm, config)`` runs the configured passes in canonical order. After every pass it
+recompiles the module and lints the graph (``fxopt.rewrite.invariants``); a pass that crashes or leaves a bad
+graph becomes a ``PassError`` naming that pass and the passes that ran before it. With
+``config.dump_dir`` set, the graph is written out before the first pass and after each pass.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import fx
+
+import passes as pass_registry
+from fxopt.core.errors import BudgetError, ConfigError, FxoptError, PassError
+from fxopt.rewrite.invariants import lint_after_pass, snapshot
+
+PassRequest = str | tuple[str, dict[str, Any]]
+
+_SPEC_ITEM = re.compile(r"\s*([A-Za-z_][\w-]*)\s*(?:\{([^}]*)\})?\s*(?:,|$)")
+
+
+def _parse_value(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def parse_pass_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """Parse ``"inplace,checkpoint{budget=0.5},reorder"`` into ``[(name, options), ...]``."""
+    items: list[tuple[str, dict[str, Any]]] = []
+    pos = 0
+    spec = spec.strip()
+    while pos < len(spec):
+        match = _SPEC_ITEM.match(spec, pos)
+        if not match or match.end() == pos:
+            raise ConfigError(
+                f"cannot parse pass list {spec!r} at character {pos}",
+                hint="write passes as name or name{key=value,...}, separated by commas, "
+                "e.g. inplace,checkpoint{budget=0.5}",
+            )
+        options = {}
+        for pair in filter(None, (p.strip() for p in (match.group(2) or "").split(","))):
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise ConfigError(f"pass option {pair!r} in {spec!r} has no '='",
+                                  hint="write options as key=value")
+            options[key.strip()] = _parse_value(value)
+        items.append((match.group(1), options))
+        pos = match.end()
+    return items
+
+
+@dataclass
+class Config:
+    """What to run. ``passes=None`` means the registry's default passes."""
+
+    passes: list[PassRequest] | str | None = None
+    memory_budget: int | float | str | None = None
+    dump_dir: str | Path | None = None
+
+    def resolved(self) -> list[tuple[pass_registry.PassSpec, dict[str, Any]]]:
+        """The passes to run with their options, validated and in canonical order."""
+        if self.passes is None:
+            requests: list[tuple[str, dict[str, Any]]] = [
+                (s.name, {}) for s in pass_registry.REGISTRY.values() if s.default
+            ]
+        elif isinstance(self.passes, str):
+            requests = parse_pass_spec(self.passes)
+        else:
+            requests = [(p, {}) if isinstance(p, str) else (p[0], dict(p[1])) for p in self.passes]
+        order = pass_registry.canonical_order()
+        resolved = []
+        for name, options in requests:
+            spec = pass_registry.lookup(name)
+            if spec is None:
+                raise ConfigError(
+                    f"unknown pass {name!r}",
+                    hint=f"known passes, in order: {', '.join(order) or '(none registered)'}",
+                )
+            resolved.append((spec, options))
+        names = [spec.name for spec, _ in resolved]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"pass list names a pass twice: {names}", hint="list each pass once")
+        if names != sorted(names, key=order.index):
+            raise ConfigError(
+                f"passes {names} are out of order",
+                hint=f"list them in the canonical order: {', '.join(order)}",
+            )
+        if self.memory_budget is not None and "checkpoint" not in names:
+            checkpoint = pass_registry.lookup("checkpoint")
+            if checkpoint is None:
+                raise ConfigError(
+                    "memory_budget was given but no checkpointing pass is available",
+                    hint="drop memory_budget, or install an fxopt with the checkpoint pass",
+                )
+            resolved.append((checkpoint, {}))
+            resolved.sort(key=lambda item: order.index(item[0].name))
+        if self.memory_budget is not None:
+            for spec, options in resolved:
+                if spec.name == "checkpoint":
+                    options.setdefault("budget", self.memory_budget)
+        return resolved
+
+
+@dataclass
+class PassRecord:
+    """What one pass did: exact ``modified``, its stats, node counts and time taken."""
+
+    name: str
+    options: dict[str, Any]
+    modified: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "options": {k: repr(v) for k, v in self.options.items()},
+            "modified": self.modified, "stats": self.stats, "seconds": self.seconds,
+            "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
+        }
+
+
+def _dump(gm: fx.GraphModule, dump_dir: Path, index: int, label: str) -> None:
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    (dump_dir / f"{index:02d}_{label}.txt").write_text(
+        gm.print_readable(print_output=False) + "\n\n" + str(gm.graph)
+    )
+
+
+def run_passes(gm: fx.GraphModule, config: Config) -> list[PassRecord]:
+    """Run ``config``'s passes on ``gm`` in place; return one record per pass."""
+    plan = config.resolved()
+    dump_dir = Path(config.dump_dir) if config.dump_dir else None
+    if dump_dir:
+        _dump(gm, dump_dir, 0, "traced")
+    records: list[PassRecord] = []
+    for index, (spec, options) in enumerate(plan, start=1):
+        done = [r.name for r in records]
+        where = f"pass {spec.name!r} (after: {', '.join(done) or 'nothing'})"
+        before = snapshot(gm)
+        start = time.perf_counter()
+        try:
+            result = spec.run(gm, **options)
+        except (BudgetError, ConfigError, PassError):
+            raise
+        except FxoptError as error:
+            # e.g. an InputError from an analysis a pass ran: the user's inputs were checked
+            # when tracing, so inside a pass it is the pass's failure, not the user's
+            raise PassError(f"pass {spec.name!r} failed: {type(error).__name__}: {error.what}",
+                            where=where + (f"; {error.where}" if error.where else ""),
+                            hint=f"leave it out (passes=[...] without {spec.name!r}) and report "
+                            "the bug with the traceback (CLI: --debug)") from error
+        except TypeError as error:
+            raise ConfigError(f"bad options {options} for pass {spec.name!r}: {error}",
+                              where=where, hint=f"see help(passes.{spec.name})") from error
+        except Exception as error:
+            raise PassError(
+                f"pass {spec.name!r} crashed: {type(error).__name__}: {error}",
+                where=where,
+                hint=f"leave it out (passes=[...] without {spec.name!r}) and report the bug "
+                "with the traceback (CLI: --debug)",
+            ) from error
+        seconds = time.perf_counter() - start
+        if result.graph_module is not gm:
+            raise PassError(f"pass {spec.name!r} returned a different GraphModule", where=where,
+                            hint="passes must edit gm in place")
+        gm.recompile()
+        lint_after_pass(gm, before, spec.name, result.modified, where)
+        records.append(PassRecord(spec.name, options, result.modified, dict(result.stats),
+                                  seconds, len(before.node_names), len(gm.graph.nodes)))
+        if dump_dir:
+            _dump(gm, dump_dir, index, spec.name)
+    return records

@@ -1,0 +1,247 @@
+"""Compare two recorded runs tensor by tensor: the tolerances and mismatches ``verify`` reports.
+
+``compare_named(kind, ref, cand, tols, mismatches)`` compares two name -> value tables (gradients,
+buffers), ``compare_trees`` two output pytrees leaf by leaf (containers must match too); both
+append a :class:`Mismatch` per differing name and return how many names were compared on both
+sides. Floating tensors pass within the per-dtype tolerance below, integer and bool tensors
+must match exactly, and NaN never passes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_structure
+
+from fxopt.core.errors import ConfigError
+
+# dtype -> (rtol, atol); an element passes when
+#     |candidate - reference| <= atol * min(1, scale) + rtol * |reference|   (scale: see below).
+# Rewrites may change the order of floating-point reductions (another kernel, a padded matmul), so
+# bit equality is too strict, while every planted bug in tests/test_verify.py moves values by more
+# than 1e-2. Measured on CPU: resnet18 run with channels_last kernels instead of contiguous ones
+# (a benign kernel change) differs from the original by up to 3e-6 in outputs and 1e-4 in
+# gradients (gradients are O(10) under random cotangents). Recomputation and graph rewrites that
+# keep the kernels are bit-identical on CPU.
+DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    # eps 2.2e-16: anything above 1e-7 is a bug or a computation done in lower precision.
+    torch.float64: (1e-7, 1e-7),
+    # eps 1.2e-7: about 800 eps, covers the reordered reductions measured above; catches a
+    # BatchNorm eps changed from 1e-5 to 1e-3 (relative change ~5e-4).
+    torch.float32: (1e-4, 1e-4),
+    # eps 9.8e-4: about 10 eps; half-precision checks are loose by necessity.
+    torch.float16: (1e-2, 1e-2),
+    # eps 7.8e-3: about 6 eps.
+    torch.bfloat16: (5e-2, 5e-2),
+}
+# Complex tensors use the tolerance of their real dtype; every other dtype must match exactly.
+#
+# ``atol`` is scaled down where values are small: an element passes when
+#     |candidate - reference| <= atol * min(1, scale) + rtol * |reference|,
+# with ``scale`` the largest finite magnitude among all tensors of the same kind (all outputs,
+# all parameter gradients, ...) on either side. A fixed atol of 1e-4 would bless anything on
+# tensors of scale 1e-14 (EfficientNet's logits at random init are that small, and a
+# stochastic-depth mask applied in eval mode went unnoticed). The scale is the kind's rather than
+# each tensor's because rounding noise follows the magnitudes flowing through that part of the
+# model: a conv bias followed by BatchNorm has a gradient that is exactly 0 in theory, a sum of
+# O(1) terms cancelling to 0 or to 3e-8 depending on their order. Never looser than the table.
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One tensor (or name) that differs. ``max_abs_diff``/``max_rel_diff`` are over elements
+    finite on both sides (relative: over nonzero reference elements); they are ``inf`` when the
+    difference is not a number (NaN, inf, shape, dtype, device, None, missing name): see ``detail``.
+    """
+
+    kind: str  # "output" | "input_grad" | "param_grad" | "buffer" | "eval_output" | "structure"
+    name: str
+    max_abs_diff: float
+    max_rel_diff: float
+    rtol: float
+    atol: float
+    detail: str
+
+
+
+def merged_tolerances(overrides: Any) -> dict[torch.dtype, tuple[float, float]]:
+    merged = dict(DEFAULT_TOLERANCES)
+    for dtype, pair in (overrides or {}).items():
+        valid = (isinstance(dtype, torch.dtype) and isinstance(pair, (tuple, list))
+                 and len(pair) == 2 and all(isinstance(v, (int, float)) and v >= 0 for v in pair))
+        if not valid:
+            raise ConfigError(f"verify: bad tolerance entry {dtype!r}: {pair!r}",
+                              hint="use {torch.float32: (rtol, atol)} with non-negative numbers")
+        merged[dtype] = (float(pair[0]), float(pair[1]))
+    return merged
+
+
+def _tolerance(dtype: torch.dtype, tols: dict[torch.dtype, tuple[float, float]]
+               ) -> tuple[float, float]:
+    if dtype.is_complex:
+        dtype = dtype.to_real()
+    return tols.get(dtype, (0.0, 0.0))
+
+
+def structure_mismatch(name: str, detail: str) -> Mismatch:
+    return Mismatch("structure", name, math.inf, math.inf, 0.0, 0.0, detail)
+
+
+def _container_types(spec: TreeSpec) -> Iterator[str]:
+    if not spec.is_leaf():
+        yield spec.type.__qualname__
+        for child in spec.children():
+            yield from _container_types(child)
+
+
+def _sketch(spec: TreeSpec) -> str:
+    if spec.is_leaf():
+        return "*"
+    return f"{spec.type.__name__}({', '.join(_sketch(c) for c in spec.children())})"
+
+
+def compare_trees(kind: str, ref: Any, cand: Any, tols: dict, mismatches: list[Mismatch]) -> int:
+    """Compare two output pytrees leaf by leaf; leaves are named ``output[0]['logits']``."""
+    ref_spec, cand_spec = tree_structure(ref), tree_structure(cand)
+    if Counter(_container_types(ref_spec)) != Counter(_container_types(cand_spec)):
+        sketches = f"{_sketch(ref_spec)[:80]} vs {_sketch(cand_spec)[:80]}"
+        mismatches.append(structure_mismatch("output", f"{kind} containers differ: {sketches}"))
+    named = [{f"output{keystr(path)}": leaf for path, leaf in tree_flatten_with_path(tree)[0]}
+             for tree in (ref, cand)]
+    return compare_named(kind, *named, tols, mismatches)
+
+
+def compare_named(kind: str, ref: dict[str, Any], cand: dict[str, Any], tols: dict,
+                   mismatches: list[Mismatch]) -> int:
+    for name in (n for n in ref if n not in cand):
+        mismatches.append(structure_mismatch(name, f"{kind} missing in candidate"))
+    for name in (n for n in cand if n not in ref):
+        mismatches.append(structure_mismatch(name,
+                                             f"{kind} only in candidate (not in reference)"))
+    common = [name for name in ref if name in cand]
+    scale = _largest_magnitude([*ref.values(), *cand.values()])
+    for name in common:
+        found = _compare_value(kind, name, ref[name], cand[name], tols, scale)
+        if found is not None:
+            mismatches.append(found)
+    return len(common)
+
+
+def _largest_magnitude(values: list[Any]) -> float:
+    """The largest finite magnitude among the floating tensors in ``values`` (0 if none)."""
+    largest = 0.0
+    for t in values:
+        if (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+                and t.numel() and t.device.type != "meta"):
+            magnitudes = t.detach().abs().to(torch.float64)
+            largest = max(largest, float(torch.where(torch.isfinite(magnitudes), magnitudes,
+                                                     0.0).max()))
+    return largest
+
+
+def _compare_value(kind: str, name: str, ref: Any, cand: Any, tols: dict,
+                   scale: float) -> Mismatch | None:
+    ref_is_tensor, cand_is_tensor = isinstance(ref, torch.Tensor), isinstance(cand, torch.Tensor)
+    if ref_is_tensor and cand_is_tensor:
+        return _compare_tensors(kind, name, ref, cand, tols, scale)
+    if ref_is_tensor or cand_is_tensor:
+        sides = ["tensor" if is_tensor else _describe(v)
+                 for is_tensor, v in ((ref_is_tensor, ref), (cand_is_tensor, cand))]
+        return Mismatch(kind, name, math.inf, math.inf, 0.0, 0.0, f"{sides[0]} vs {sides[1]}")
+    try:
+        same = type(ref) is type(cand) and bool(ref == cand)
+    except Exception:  # an object whose == does not give a truth value cannot be shown equal
+        same = False
+    if same:
+        return None
+    return Mismatch(kind, name, math.inf, math.inf, 0.0, 0.0, f"value {ref!r} vs {cand!r}")
+
+
+def _describe(value: Any) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def _compare_tensors(kind: str, name: str, ref: torch.Tensor, cand: torch.Tensor,
+                     tols: dict, scale: float) -> Mismatch | None:
+    def mismatch(detail: str, abs_diff: float = math.inf, rel_diff: float = math.inf,
+                 rtol: float = 0.0, atol: float = 0.0) -> Mismatch:
+        return Mismatch(kind, name, abs_diff, rel_diff, rtol, atol, detail)
+
+    for what, r, c in (("device", ref.device, cand.device), ("dtype", ref.dtype, cand.dtype),
+                       ("layout", ref.layout, cand.layout),
+                       ("shape", tuple(ref.shape), tuple(cand.shape))):
+        if r != c:
+            return mismatch(f"{what} {r} vs {c}")
+    rtol, atol = _tolerance(ref.dtype, tols)
+    ref, cand = ref.detach(), cand.detach()
+    if ref.layout != torch.strided:
+        ref, cand = ref.to_dense(), cand.to_dense()
+    if ref.numel() == 0:
+        return None
+    exact = not (ref.is_floating_point() or ref.is_complex())
+    wide = torch.complex128 if ref.is_complex() else torch.float64
+    b, a = ref.to(wide).reshape(-1), cand.to(wide).reshape(-1)
+    shape = tuple(ref.shape)
+
+    nan_ref, nan_cand = torch.isnan(b), torch.isnan(a)
+    if nan_ref.any():
+        i = _first(nan_ref)
+        also = " (and in candidate)" if bool(nan_cand[i]) else ""
+        return mismatch(f"NaN in reference at index {_position(i, shape)}{also}",
+                        rtol=rtol, atol=atol)
+    if nan_cand.any():
+        return mismatch(f"NaN in candidate at index {_position(_first(nan_cand), shape)}",
+                        rtol=rtol, atol=atol)
+    infinite = torch.isinf(a) | torch.isinf(b)
+    bad_inf = infinite & (a != b)
+    if bad_inf.any():
+        i = _first(bad_inf)
+        return mismatch(f"inf must match exactly; at index {_position(i, shape)}: reference "
+                        f"{_fmt(b[i])} vs candidate {_fmt(a[i])}", rtol=rtol, atol=atol)
+
+    finite = ~infinite
+    diff = torch.where(finite, (a - b).abs(), 0.0)
+    magnitude = b.abs()
+    nonzero = finite & (magnitude > 0)
+    max_abs = float(diff.max())
+    max_rel = float(torch.where(nonzero, diff / torch.where(nonzero, magnitude, 1.0), 0.0).max())
+    if exact:
+        outside = ref.reshape(-1) != cand.reshape(-1)
+        if not outside.any():
+            return None
+        i = _first(outside)
+        return mismatch(f"{int(outside.sum())} of {b.numel()} elements differ (exact match "
+                        f"required for {ref.dtype}); first at index {_position(i, shape)}: "
+                        f"reference {_fmt(b[i])} vs candidate {_fmt(a[i])}", max_abs, max_rel)
+    atol = atol * min(1.0, scale)
+    excess = torch.where(finite, diff - (atol + rtol * magnitude), -math.inf)
+    outside = excess > 0
+    if not outside.any():
+        return None
+    i = int(excess.argmax())
+    return mismatch(f"{int(outside.sum())} of {b.numel()} elements outside tolerance; worst at "
+                    f"index {_position(i, shape)}: reference {_fmt(b[i])} vs candidate "
+                    f"{_fmt(a[i])}",
+                    max_abs, max_rel, rtol, atol)
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def _position(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    position = []
+    for size in reversed(shape):
+        flat_index, i = divmod(flat_index, size)
+        position.append(i)
+    return tuple(reversed(position))
+
+
+def _fmt(value: torch.Tensor) -> str:
+    item = value.item()
+    return str(item) if isinstance(item, complex) else f"{item:.7g}"
