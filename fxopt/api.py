@@ -16,7 +16,9 @@ from torch import fx, nn
 
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.measure.peaks import measure
+import passes as builtin_passes
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
+from fxopt.rewrite.registry import PassRegistry
 from fxopt.measure.report import Report
 from fxopt.core.state import preserved_state
 from fxopt.capture.trace import trace
@@ -33,6 +35,7 @@ def optimize(
     measure_memory: bool = False,
     leaf_modules: tuple[str, ...] = (),
     dump_dir: str | Path | None = None,
+    registry: PassRegistry | None = None,
 ) -> fx.GraphModule:
     """Return an optimized, verified GraphModule computing the same function as ``model``.
 
@@ -41,6 +44,8 @@ def optimize(
     ("2GiB"), or a fraction of the unoptimized activation memory; it enables checkpointing.
     ``verify``: run the equivalence check and raise ``EquivalenceError`` on any mismatch.
     ``measure_memory``: measure peak memory before and after (real training steps).
+    ``registry``: the passes to choose from (default ``passes.REGISTRY``); add a pass of your own
+    with ``passes.REGISTRY.with_pass(fxopt.rewrite.registry.PassSpec(name, fn, summary))``.
 
     ``example_inputs`` are the *positional* arguments of ``model.forward``: one tensor, or a
     tuple (or list) with one entry per argument. An entry may itself be a tuple, list or dict of
@@ -56,8 +61,9 @@ def optimize(
     Whatever happens, the user's model is left as it was: parameters, gradients, buffers,
     module flags and the RNG state.
     """
+    registry = builtin_passes.REGISTRY if registry is None else registry
     config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir)
-    config.resolved()  # fail on a bad pass list before spending time on tracing
+    config.resolved(registry)  # fail on a bad pass list before spending time on tracing
     args = check_inputs(model, example_inputs)
     if verify or measure_memory:
         refuse_meta_tensors("verify" if verify else "measure", model, args)
@@ -66,7 +72,7 @@ def optimize(
     with preserved_state(model):
         gm = trace(model, args, leaf_modules=leaf_modules)
         report = Report(model=type(model).__name__, trace=gm.meta["fxopt_trace"])
-        report.passes = run_passes(gm, config)
+        report.passes = run_passes(gm, config, registry)
     copy_training_flags(model, gm)
     if verify:
         report.verification = run_verify(model, gm, args, strict=True)

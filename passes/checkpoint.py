@@ -37,16 +37,15 @@ from torch import fx
 from fxopt.analysis import estimate_peak
 from fxopt.planning.budget import activation_bytes, budget_bytes, trainable_grad_bytes
 from fxopt.planning.checkpoint_problem import build_problem
-from fxopt.core.errors import BudgetError
 from fxopt.capture.meta import placeholder_values, refresh_meta
 from fxopt.rewrite.pass_base import PassResult, mark_new
 from fxopt.runtime.regions import CheckpointedRegion, call_region
 from fxopt.capture.trace import graph_module_like
-from fxopt.planning.solver import SELECTIVE, CheckpointPlan, plan_checkpoints
+from fxopt.planning.checkpoint_search import search_plan
+from fxopt.planning.solver import SELECTIVE, CheckpointPlan
 from fxopt.rewrite.subgraph import extract_subgraph, region_io
 
 PASS_NAME = "checkpoint"
-_MAX_ROUNDS = 6
 
 
 def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan) -> list[dict]:
@@ -117,35 +116,10 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
         stats["predicted_after"] = peak
         return PassResult(gm, False, stats)
     problem, forward = build_problem(gm, profile=profile)
-    kept = problem.kept_without_checkpointing()
-    overhead = peak - kept
-    solver_budget = target - overhead
-    best: tuple[int, CheckpointPlan] | None = None
-    for _round in range(_MAX_ROUNDS):
-        plan = plan_checkpoints(problem, solver_budget, max_region_atoms=max_region_atoms)
-        if plan is None:
-            break
-        predicted = _predict(gm, forward, plan)
-        if best is None or predicted < best[0]:
-            best = (predicted, plan)
-        if predicted <= target:
-            break
-        solver_budget -= predicted - target
-    if best is None or best[0] > target:
-        smallest = _least_memory_plan(gm, problem, forward, max_region_atoms)
-        if smallest is not None and smallest[0] <= target:
-            best = _cheapest_fitting(gm, problem, forward, target, smallest,
-                                     target - overhead, max_region_atoms)
-    if best is None or best[0] > target:
-        smallest_peak = smallest[0] if smallest else peak
-        raise BudgetError(
-            f"memory budget {target:,} bytes cannot be met: the smallest predicted training "
-            f"peak this pass reaches is {smallest_peak:,} bytes (unoptimized: {peak:,})",
-            where=f"checkpoint pass, budget={budget!r}",
-            hint=f"raise the budget to at least {smallest_peak:,} bytes, or lower the batch size",
-            smallest_bytes=smallest_peak,
-        )
-    predicted, plan = best
+    predicted, plan = search_plan(
+        problem, target=target, unoptimized_peak=peak,
+        predict=lambda candidate: _predict(gm, forward, candidate),
+        max_region_atoms=max_region_atoms, where=f"checkpoint pass, budget={budget!r}")
     stats["regions"] = apply_plan(gm, forward, plan)
     gm.recompile()
     refresh_meta(gm)
@@ -154,46 +128,3 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
                   "solver_seconds": round(plan.solve_seconds, 3),
                   "seconds": round(time.perf_counter() - started, 3)})
     return PassResult(gm, True, stats)
-
-
-def _cheapest_fitting(gm: fx.GraphModule, problem, forward, target: int,
-                      fitting: tuple[int, CheckpointPlan], failing_budget: int,
-                      max_region_atoms: int, steps: int = 6) -> tuple[int, CheckpointPlan]:
-    """Between a solver budget whose plan fits ``target`` (``fitting``, the least-memory plan)
-    and one whose plan does not, bisect for the largest that fits: it recomputes least.
-
-    Without it a budget just below what the re-solving rounds reach would get the least-memory
-    plan, paying for recomputation the budget does not ask for.
-    """
-    best = fitting
-    low, high = fitting[1].kept_bytes, failing_budget
-    for _ in range(steps):
-        if high - low < 2:
-            break
-        middle = (low + high) // 2
-        plan = plan_checkpoints(problem, middle, max_region_atoms=max_region_atoms)
-        predicted = _predict(gm, forward, plan) if plan is not None else None
-        if predicted is not None and predicted <= target:
-            low = middle
-            if plan.extra_seconds < best[1].extra_seconds:
-                best = (predicted, plan)
-        else:
-            high = middle
-    return best
-
-
-def _least_memory_plan(gm: fx.GraphModule, problem, forward, max_region_atoms: int
-                       ) -> tuple[int, CheckpointPlan] | None:
-    """(predicted peak, plan) of the least-memory plan the solver finds (bisecting its budget)."""
-    low, high = 0, problem.kept_without_checkpointing()
-    best_plan = None
-    for _ in range(12):
-        middle = (low + high) // 2
-        plan = plan_checkpoints(problem, middle, max_region_atoms=max_region_atoms)
-        if plan is None:
-            low = middle + 1
-        else:
-            best_plan, high = plan, middle
-    if best_plan is None:
-        return None
-    return _predict(gm, forward, best_plan), best_plan

@@ -1,16 +1,8 @@
 """Lower the peak by changing the schedule: a memory-aware topological order.
 
-FX's generated code already drops each value after its last use, so the only lever left is *when*
-each value is computed. This pass builds several legal orders -- the original, breadth-first,
-depth-first, and greedy orders that pick the ready node with the smallest net allocation (bytes it
-allocates minus bytes it lets FX free; in train mode values saved for backward never count as
-freed) -- predicts the peak of each with ``estimate_peak`` (a fake-tensor run of the real
-forward and backward), and keeps the best. The original order always competes, and the graph
-changes only when a candidate's predicted peak is strictly lower.
-
-Legal means: data dependencies, the relative order of every node with side effects (in-place
-ops, RNG consumers such as dropout, opaque leaf modules, BatchNorm buffer updates) is kept, and a
-node that mutates a value stays after every earlier reader of it.
+``reorder(gm)`` asks ``fxopt.planning.schedule.choose_schedule`` for the legal order with the
+lowest predicted peak (see there for the candidates and what "legal" means) and, when one beats
+the original strictly, rebuilds the graph in that order. The graph changes only then.
 
 Not handled: moving work across an opaque leaf module, and any gain that needs recomputation
 (that is the checkpoint pass's job).
@@ -18,196 +10,19 @@ Not handled: moving work across an opaque leaf module, and any gain that needs r
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable
-from typing import Any
+from torch import fx
 
-import torch
-from torch import fx, nn
-
-from fxopt.analysis import alias_classes, estimate_peak, saved_for_backward
-from fxopt.capture.meta import placeholder_values
+from fxopt.planning.schedule import choose_schedule, graph_in_order
 from fxopt.rewrite.pass_base import PassResult
-from fxopt.capture.trace import graph_module_like
-from fxopt.analysis.writes import overwritten_inputs
 
 PASS_NAME = "reorder"
 
-_PURE_MODULES = (
-    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.Linear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
-    nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-    nn.AdaptiveMaxPool2d, nn.Flatten, nn.Identity, nn.Upsample, nn.Softmax, nn.LogSoftmax,
-    nn.GELU, nn.Sigmoid, nn.Tanh,
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh, nn.ELU, nn.SELU, nn.CELU, nn.SiLU, nn.Hardswish,
-    nn.Hardsigmoid, nn.Mish,
-)
-_RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.bernoulli, torch.rand_like,
-                     torch.randn_like, torch.randint_like, torch.nn.functional.dropout,
-                     torch.dropout, torch.nn.functional.dropout2d, torch.nn.functional.alpha_dropout}
-
-
-def has_side_effects(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """True when moving ``node`` relative to another such node could change results."""
-    if node.op in ("placeholder", "output"):
-        return True
-    if overwritten_inputs(gm, node):
-        return True
-    if node.op == "call_module":
-        return not isinstance(gm.get_submodule(node.target), _PURE_MODULES)
-    return node.op == "call_function" and node.target in _RANDOM_FUNCTIONS
-
-
-def dependencies(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]]:
-    """node -> nodes that must run before it (data, side-effect order, readers before writers)."""
-    nodes = list(gm.graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
-    aliases = alias_classes(gm, either_mode=True)
-    deps: dict[fx.Node, set[fx.Node]] = {n: set(n.all_input_nodes) for n in nodes}
-    previous_effect = None
-    for node in nodes:
-        if has_side_effects(gm, node):
-            if previous_effect is not None:
-                deps[node].add(previous_effect)
-            previous_effect = node
-        for mutated in overwritten_inputs(gm, node):
-            group = {n for n, c in aliases.items() if c == aliases.get(mutated)} | {mutated}
-            for member in group:
-                deps[node].update(u for u in member.users if position[u] < position[node])
-    for node in nodes:
-        deps[node].discard(node)
-    return deps
-
-
-def _nbytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return val.untyped_storage().nbytes()
-    return 0
-
-
-def _schedule(nodes: list[fx.Node], deps: dict[fx.Node, set[fx.Node]],
-              priority: Callable[[fx.Node, set[fx.Node]], Any]) -> list[fx.Node]:
-    """Kahn's algorithm; among ready nodes the smallest ``priority(node, scheduled)`` goes first."""
-    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
-    waiting = {n: len(deps[n]) for n in nodes}
-    for node in nodes:
-        for dep in deps[node]:
-            users[dep].append(node)
-    scheduled: set[fx.Node] = set()
-    order: list[fx.Node] = []
-    ready = [(priority(n, scheduled), i, n) for i, n in enumerate(nodes) if waiting[n] == 0]
-    heapq.heapify(ready)
-    index = {n: i for i, n in enumerate(nodes)}
-    while ready:
-        _, _, node = heapq.heappop(ready)
-        scheduled.add(node)
-        order.append(node)
-        for user in users[node]:
-            waiting[user] -= 1
-            if waiting[user] == 0:
-                heapq.heappush(ready, (priority(user, scheduled), index[user], user))
-    # Priorities are computed when a node becomes ready; rescoring all ready nodes each step
-    # would be more exact and O(n^2), which the scoring by estimate_peak below makes unnecessary.
-    return order
-
-
-def _saved_values(gm: fx.GraphModule, train: bool) -> set[fx.Node]:
-    saved: set[fx.Node] = set()
-    if train:
-        for info in saved_for_backward(gm, placeholder_values(gm)).values():
-            saved.update(info.values)
-    return saved
-
-
-def candidate_orders(gm: fx.GraphModule, saved: set[fx.Node]) -> dict[str, list[fx.Node]]:
-    """Legal orders of ``gm``'s nodes by several strategies; ``saved`` values never free."""
-    nodes = list(gm.graph.nodes)
-    deps = dependencies(gm)
-    index = {n: i for i, n in enumerate(nodes)}
-
-    def net_bytes(node: fx.Node, scheduled: set[fx.Node]) -> tuple[int, int]:
-        freed = sum(_nbytes(i) for i in node.all_input_nodes
-                    if i not in saved and all(u in scheduled or u is node for u in i.users))
-        return (_nbytes(node) - freed, index[node])
-
-    counter = iter(range(10**9))
-    return {
-        "original": nodes,
-        "bfs": _schedule(nodes, deps, lambda n, s: index[n]),
-        "dfs": _schedule(nodes, deps, lambda n, s: -next(counter)),
-        "least_net_alloc": _schedule(nodes, deps, net_bytes),
-    }
-
-
-def static_peak(order: list[fx.Node], aliases: dict[fx.Node, int], saved: set[fx.Node]) -> int:
-    """Peak bytes of the forward run in ``order`` by liveness alone: a storage (alias class) is
-    alive from its first member to the last reader of any member, for ever if it is saved for
-    backward. A cheap screen; ``estimate_peak`` has the last word."""
-    position = {n: i for i, n in enumerate(order)}
-    size: dict[int, int] = {}
-    start: dict[int, int] = {}
-    end: dict[int, int] = {}
-    for node in order:
-        cls = aliases.get(node)
-        if cls is None or node.op in ("placeholder", "get_attr"):
-            continue
-        size[cls] = max(size.get(cls, 0), _nbytes(node))
-        start[cls] = min(start.get(cls, position[node]), position[node])
-        last = max((position[u] for u in node.users), default=position[node])
-        end[cls] = len(order) if node in saved else max(end.get(cls, 0), last)
-    delta = [0] * (len(order) + 2)
-    for cls, bytes_ in size.items():
-        delta[start[cls]] += bytes_
-        delta[end[cls] + 1] -= bytes_
-    peak = live = 0
-    for change in delta:
-        live += change
-        peak = max(peak, live)
-    return peak
-
-
-def _graph_in_order(graph: fx.Graph, order: list[fx.Node]) -> fx.Graph:
-    new = fx.Graph()
-    new._codegen = graph._codegen
-    env: dict[fx.Node, fx.Node] = {}
-    for node in order:
-        env[node] = new.node_copy(node, lambda n: env[n])
-    return new
-
 
 def reorder(gm: fx.GraphModule, *, train: bool = True) -> PassResult:
-    """Schedule the graph in the order with the lowest predicted peak (train or inference).
-
-    Candidate orders are screened by ``static_peak``; only when some candidate promises a lower
-    peak than the original are the original and the promising candidates scored by
-    ``estimate_peak`` (a fake-tensor run of forward and backward each).
-    """
-    saved = _saved_values(gm, train)
-    aliases = alias_classes(gm, either_mode=True)
-    original_graph = gm.graph
-    orders = candidate_orders(gm, saved)
-    screened = {name: static_peak(order, aliases, saved) for name, order in orders.items()}
-    promising = [name for name, order in orders.items() if name != "original"
-                 and order != orders["original"] and screened[name] < screened["original"]]
-    stats: dict[str, Any] = {"strategy": "original", "screened": screened}
-    if not promising:
-        stats["reason"] = "no candidate order lowers the forward peak (static screen)"
-        return PassResult(gm, False, stats)
-    inputs = placeholder_values(gm)
-    objective = "train_bytes" if train else "inference_bytes"
-    scores: dict[str, int] = {}
-    graphs: dict[str, fx.Graph] = {}
-    for name in ["original", *promising]:
-        graph = original_graph if name == "original" else _graph_in_order(original_graph,
-                                                                         orders[name])
-        scores[name] = getattr(estimate_peak(graph_module_like(gm, graph), inputs), objective)
-        graphs[name] = graph
-    best = min(scores, key=lambda k: (scores[k], k != "original"))
-    stats.update({"strategy": best, "predicted_before": scores["original"],
-                  "predicted_after": scores[best], "candidates": scores})
-    if best == "original":
-        return PassResult(gm, False, stats)
-    gm.graph = graphs[best]
+    """Schedule the graph in the order with the lowest predicted peak (train or inference)."""
+    decision = choose_schedule(gm, train=train)
+    if decision.order is None:
+        return PassResult(gm, False, decision.stats)
+    gm.graph = graph_in_order(gm.graph, decision.order)
     gm.recompile()
-    return PassResult(gm, True, stats)
+    return PassResult(gm, True, decision.stats)

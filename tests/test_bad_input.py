@@ -308,7 +308,7 @@ def test_a_crashing_pass_leaves_the_model_untouched(monkeypatch):
         raise RuntimeError("boom")
 
     spec = pass_registry.PassSpec("crasher", crash, "crashes")
-    monkeypatch.setitem(pass_registry.REGISTRY, "crasher", spec)
+    monkeypatch.setattr(pass_registry, "REGISTRY", pass_registry.REGISTRY.with_pass(spec))
     model = mlp()
     model[1].eval()
     message = optimize_fails(model, X, fxopt.PassError, "pass 'crasher' crashed", "boom",
@@ -327,7 +327,7 @@ def test_a_failed_verification_leaves_the_model_untouched(monkeypatch):
         return PassResult(gm, True, {})
 
     spec = pass_registry.PassSpec("wrong", wrong, "doubles the output")
-    monkeypatch.setitem(pass_registry.REGISTRY, "wrong", spec)
+    monkeypatch.setattr(pass_registry, "REGISTRY", pass_registry.REGISTRY.with_pass(spec))
     optimize_fails(mlp(), X, fxopt.EquivalenceError, "differs from the original", passes=["wrong"])
 
 

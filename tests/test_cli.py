@@ -102,8 +102,8 @@ def test_check_exit_codes_and_json(capsys, monkeypatch):
     assert code == 0, err
     assert "batch 8, seed 3 (example inputs)" in out and "batch 1, seed 3 (random inputs)" in out
     assert "equivalent: 3 of 3 runs match" in out
-    monkeypatch.setitem(registry.REGISTRY, "off_by_a_bit",
-                        registry.PassSpec("off_by_a_bit", _off_by_a_bit, "planted", default=False))
+    monkeypatch.setattr(registry, "REGISTRY", registry.REGISTRY.with_pass(
+        registry.PassSpec("off_by_a_bit", _off_by_a_bit, "planted", default=False)))
     code, out, _ = run(["check", "zoo:mlp", "--passes", "off_by_a_bit", "--seeds", "0",
                         "--json"], capsys)
     document = json.loads(out)

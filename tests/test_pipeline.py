@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-import passes as registry
+from fxopt.rewrite.registry import PassRegistry, PassSpec
 from fxopt.core.errors import BudgetError, ConfigError, InputError, PassError
 from fxopt.rewrite.pass_base import PassResult, mark_new
 from fxopt.rewrite.pipeline import Config, parse_pass_spec, run_passes
@@ -46,13 +46,17 @@ def _analysis_refuses(gm):
     raise InputError("Net cannot run on fake tensors", where="estimate_peak(Net)")
 
 
+def _type_error_inside(gm):
+    return len(5)  # a bug in the pass, not bad options
+
+
 def _over_budget(gm):
     raise BudgetError("budget 10 bytes cannot be met", hint="raise it")
 
 
 @pytest.fixture
 def fake_registry(monkeypatch):
-    specs = {}
+    specs = []
     for name, fn, aliases in [
         ("first", _noop, ("f",)),
         ("double", _double_output, ()),
@@ -61,12 +65,12 @@ def fake_registry(monkeypatch):
         ("crashes", _crashes, ()),
         ("refuses", _analysis_refuses, ()),
         ("over_budget", _over_budget, ()),
+        ("type_error", _type_error_inside, ()),
         ("checkpoint", _noop, ()),
     ]:
-        specs[name] = registry.PassSpec(name, fn, name, default=name in ("first", "double"),
-                                        aliases=aliases)
-    monkeypatch.setattr(registry, "REGISTRY", specs)
-    return specs
+        specs.append(PassSpec(name, fn, name, default=name in ("first", "double"),
+                              aliases=aliases))
+    return PassRegistry(specs)
 
 
 def _gm():
@@ -85,20 +89,20 @@ def test_parse_pass_spec():
 
 
 def test_defaults_aliases_and_order(fake_registry):
-    assert [s.name for s, _ in Config().resolved()] == ["first", "double"]
-    assert [s.name for s, _ in Config(passes="f{scale=2}").resolved()] == ["first"]
+    assert [s.name for s, _ in Config().resolved(fake_registry)] == ["first", "double"]
+    assert [s.name for s, _ in Config(passes="f{scale=2}").resolved(fake_registry)] == ["first"]
     with pytest.raises(ConfigError) as info:
-        Config(passes=["double", "first"]).resolved()
-    assert ("first, double, no_provenance, lies, crashes, refuses, over_budget, checkpoint"
+        Config(passes=["double", "first"]).resolved(fake_registry)
+    assert ("first, double, no_provenance, lies, crashes, refuses, over_budget, type_error, checkpoint"
             in str(info.value))
     with pytest.raises(ConfigError, match="unknown pass 'nope'"):
-        Config(passes=["nope"]).resolved()
+        Config(passes=["nope"]).resolved(fake_registry)
     with pytest.raises(ConfigError, match="twice"):
-        Config(passes=["first", "f"]).resolved()
+        Config(passes=["first", "f"]).resolved(fake_registry)
 
 
 def test_memory_budget_enables_checkpoint_with_budget(fake_registry):
-    plan = Config(passes=["first"], memory_budget="1GiB").resolved()
+    plan = Config(passes=["first"], memory_budget="1GiB").resolved(fake_registry)
     assert [(s.name, o) for s, o in plan] == [("first", {}), ("checkpoint", {"budget": "1GiB"})]
 
 
@@ -106,7 +110,8 @@ def test_run_records_and_numerics(fake_registry, tmp_path):
     gm = _gm()
     x = torch.randn(2, 3)
     expected = gm(x) * 2
-    records = run_passes(gm, Config(passes=[("first", {"scale": 3.0}), "double"], dump_dir=tmp_path))
+    records = run_passes(gm, Config(passes=[("first", {"scale": 3.0}), "double"], dump_dir=tmp_path),
+                         fake_registry)
     assert [(r.name, r.modified) for r in records] == [("first", False), ("double", True)]
     assert records[0].stats == {"scale": 3.0}
     assert records[1].nodes_after == records[1].nodes_before + 1
@@ -120,20 +125,21 @@ def test_run_records_and_numerics(fake_registry, tmp_path):
     ("no_provenance", "no meta\\['fxopt_pass'\\]"),
     ("lies", "modified=False but changed"),
     ("crashes", "crashed: RuntimeError: boom"),
+    ("type_error", "crashed: TypeError: object of type 'int' has no len"),
     # an analysis error inside a pass is the pass's failure, not the user's input's
     ("refuses", "failed: InputError: Net cannot run on fake tensors"),
 ])
 def test_bad_pass_is_named_with_its_predecessors(fake_registry, bad, message):
     with pytest.raises(PassError, match=message) as info:
-        run_passes(_gm(), Config(passes=["first", bad]))
+        run_passes(_gm(), Config(passes=["first", bad]), fake_registry)
     assert f"pass '{bad}' (after: first)" in str(info.value)
 
 
 def test_bad_option_is_config_error(fake_registry):
     with pytest.raises(ConfigError, match="bad options"):
-        run_passes(_gm(), Config(passes=[("first", {"nonsense": 1})]))
+        run_passes(_gm(), Config(passes=[("first", {"nonsense": 1})]), fake_registry)
 
 
 def test_budget_errors_from_a_pass_reach_the_user_as_they_are(fake_registry):
     with pytest.raises(BudgetError, match="cannot be met"):
-        run_passes(_gm(), Config(passes=["first", "over_budget"]))
+        run_passes(_gm(), Config(passes=["first", "over_budget"]), fake_registry)

@@ -8,7 +8,8 @@ from fxopt.measure.peaks import measure_inference, measure_train_step
 from fxopt.capture.trace import trace
 from fxopt.verify.equivalence import verify
 from helpers import check_pass
-from passes.reorder import candidate_orders, dependencies, reorder, static_peak
+from fxopt.planning.schedule import candidate_orders, dependencies, static_peak
+from passes.reorder import reorder
 
 
 class TwoBranches(nn.Module):

@@ -37,9 +37,11 @@ def _wrap_output(fn, name):
 
 @pytest.fixture
 def planted_passes(monkeypatch):
+    planted = registry.REGISTRY
     for name, fn in [("off_by_a_bit", lambda x: x + 1e-2), ("batch_one_bug", _double_if_single)]:
-        monkeypatch.setitem(registry.REGISTRY, name,
-                            registry.PassSpec(name, _wrap_output(fn, name), name, default=False))
+        planted = planted.with_pass(registry.PassSpec(name, _wrap_output(fn, name), name,
+                                                      default=False))
+    monkeypatch.setattr(registry, "REGISTRY", planted)
 
 
 def test_correct_pipeline_passes_and_returns_the_optimized_module():

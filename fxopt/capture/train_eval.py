@@ -30,24 +30,9 @@ import torch
 from torch import fx
 
 from fxopt.core.errors import TraceError
+from fxopt.runtime.eval_forward import EvalForward
 
 _GLOBAL_NAME = "fxopt_eval_forward"
-
-
-class EvalForward:
-    """The eval-mode graph as a function of the train-mode GraphModule (same attribute names)."""
-
-    def __init__(self, eval_module: fx.GraphModule):
-        self.eval_module = eval_module
-        self.function = type(eval_module).forward
-
-    def __call__(self, root: torch.nn.Module, *args: Any) -> Any:
-        return self.function(root, *args)
-
-    def __deepcopy__(self, memo: dict) -> EvalForward:
-        # Stateless with respect to the module it runs on: a deep copy of the optimized module
-        # calls it with the copy as ``root``, so sharing it is correct (and copies no weights).
-        return self
 
 
 class ModeDispatchCodeGen(fx.graph.CodeGen):

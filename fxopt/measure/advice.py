@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-import passes as pass_registry
+import passes
+from fxopt.core.tensors import storage_bytes
 from fxopt.measure.peaks import format_bytes
 
 TIPS = {  # the seed document (/work/shared/seeds) and the tip in it
@@ -97,19 +98,13 @@ def _called(gm: fx.GraphModule, types: Any) -> list[tuple[fx.Node, nn.Module]]:
     return found
 
 
-def _parameter_bytes(module: nn.Module) -> int:
-    storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes()
-                for p in module.parameters()}
-    return sum(storages.values())
-
-
 def large_linear(gm: fx.GraphModule, example_inputs: Any = None, *, share: float = 0.5,
                  min_bytes: int = 2**20) -> list[Lint]:
     """Linear layers holding at least ``share`` of all parameter bytes and ``min_bytes``."""
-    total = _parameter_bytes(gm)
+    total = storage_bytes(list(gm.parameters()))
     lints = []
     for node, linear in _called(gm, nn.Linear):
-        size = _parameter_bytes(linear)
+        size = storage_bytes(list(linear.parameters()))
         if total and size >= share * total and size >= min_bytes:
             lints.append(_lint(
                 "large-linear", "memory", node.target,
@@ -160,7 +155,7 @@ def _raw_and_final(gm: fx.GraphModule) -> tuple[set[fx.Node], set[fx.Node]]:
 def not_multiple_of_8(gm: fx.GraphModule, example_inputs: Any = None) -> list[Lint]:
     """Channels, features and the batch size that are not multiples of 8."""
     raw, final = _raw_and_final(gm)
-    pad = pass_registry.lookup("pad_channels")
+    pad = passes.REGISTRY.lookup("pad_channels")
     hint = ("make them multiples of 8 (or of 64 for large layers)"
             + (": the pad_channels pass pads conv channels for you" if pad else ""))
     lints = []

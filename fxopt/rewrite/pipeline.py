@@ -1,6 +1,6 @@
 """Config, and the one loop that runs passes, lints after each, and records what each did.
 
-``run_passes(gm, config)`` runs the configured passes in canonical order. After every pass it
+``run_passes(gm, config, registry)`` runs the configured passes in the registry's canonical order. After every pass it
 recompiles the module and lints the graph (``fxopt.rewrite.invariants``); a pass that crashes or leaves a bad
 graph becomes a ``PassError`` naming that pass and the passes that ran before it. With
 ``config.dump_dir`` set, the graph is written out before the first pass and after each pass.
@@ -9,6 +9,7 @@ graph becomes a ``PassError`` naming that pass and the passes that ran before it
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import time
 from dataclasses import dataclass, field
@@ -17,9 +18,9 @@ from typing import Any
 
 from torch import fx
 
-import passes as pass_registry
 from fxopt.core.errors import BudgetError, ConfigError, FxoptError, PassError
 from fxopt.rewrite.invariants import lint_after_pass, snapshot
+from fxopt.rewrite.registry import PassRegistry, PassSpec
 
 PassRequest = str | tuple[str, dict[str, Any]]
 
@@ -69,20 +70,18 @@ class Config:
     memory_budget: int | float | str | None = None
     dump_dir: str | Path | None = None
 
-    def resolved(self) -> list[tuple[pass_registry.PassSpec, dict[str, Any]]]:
-        """The passes to run with their options, validated and in canonical order."""
+    def resolved(self, registry: PassRegistry) -> list[tuple[PassSpec, dict[str, Any]]]:
+        """The passes of ``registry`` to run with their options, validated, in canonical order."""
         if self.passes is None:
-            requests: list[tuple[str, dict[str, Any]]] = [
-                (s.name, {}) for s in pass_registry.REGISTRY.values() if s.default
-            ]
+            requests: list[tuple[str, dict[str, Any]]] = [(s.name, {}) for s in registry.defaults()]
         elif isinstance(self.passes, str):
             requests = parse_pass_spec(self.passes)
         else:
             requests = [(p, {}) if isinstance(p, str) else (p[0], dict(p[1])) for p in self.passes]
-        order = pass_registry.canonical_order()
+        order = registry.canonical_order()
         resolved = []
         for name, options in requests:
-            spec = pass_registry.lookup(name)
+            spec = registry.lookup(name)
             if spec is None:
                 raise ConfigError(
                     f"unknown pass {name!r}",
@@ -98,7 +97,7 @@ class Config:
                 hint=f"list them in the canonical order: {', '.join(order)}",
             )
         if self.memory_budget is not None and "checkpoint" not in names:
-            checkpoint = pass_registry.lookup("checkpoint")
+            checkpoint = registry.lookup("checkpoint")
             if checkpoint is None:
                 raise ConfigError(
                     "memory_budget was given but no checkpointing pass is available",
@@ -140,9 +139,19 @@ def _dump(gm: fx.GraphModule, dump_dir: Path, index: int, label: str) -> None:
     )
 
 
-def run_passes(gm: fx.GraphModule, config: Config) -> list[PassRecord]:
-    """Run ``config``'s passes on ``gm`` in place; return one record per pass."""
-    plan = config.resolved()
+def _check_options(spec: PassSpec, options: dict[str, Any], where: str) -> None:
+    """Options the pass does not take are the user's mistake (a TypeError raised *inside* a pass
+    is the pass's bug, reported as a PassError like any other crash)."""
+    try:
+        inspect.signature(spec.run).bind(None, **options)
+    except TypeError as error:
+        raise ConfigError(f"bad options {options} for pass {spec.name!r}: {error}",
+                          where=where, hint=f"see help(passes.{spec.name})") from error
+
+
+def run_passes(gm: fx.GraphModule, config: Config, registry: PassRegistry) -> list[PassRecord]:
+    """Run ``config``'s passes from ``registry`` on ``gm`` in place; one record per pass."""
+    plan = config.resolved(registry)
     dump_dir = Path(config.dump_dir) if config.dump_dir else None
     if dump_dir:
         _dump(gm, dump_dir, 0, "traced")
@@ -150,6 +159,7 @@ def run_passes(gm: fx.GraphModule, config: Config) -> list[PassRecord]:
     for index, (spec, options) in enumerate(plan, start=1):
         done = [r.name for r in records]
         where = f"pass {spec.name!r} (after: {', '.join(done) or 'nothing'})"
+        _check_options(spec, options, where)
         before = snapshot(gm)
         start = time.perf_counter()
         try:
@@ -163,9 +173,6 @@ def run_passes(gm: fx.GraphModule, config: Config) -> list[PassRecord]:
                             where=where + (f"; {error.where}" if error.where else ""),
                             hint=f"leave it out (passes=[...] without {spec.name!r}) and report "
                             "the bug with the traceback (CLI: --debug)") from error
-        except TypeError as error:
-            raise ConfigError(f"bad options {options} for pass {spec.name!r}: {error}",
-                              where=where, hint=f"see help(passes.{spec.name})") from error
         except Exception as error:
             raise PassError(
                 f"pass {spec.name!r} crashed: {type(error).__name__}: {error}",

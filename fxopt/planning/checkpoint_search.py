@@ -1,0 +1,102 @@
+"""The search around the checkpoint solver: a plan whose *predicted* peak fits the budget, at the
+least recompute time.
+
+The solver (``fxopt.planning.solver``) plans against its own memory model; the last word is
+``estimate_peak``'s fake-tensor run of the rewritten forward and backward, which the caller
+supplies as ``predict(plan) -> bytes`` (it applies the plan to a copy of the graph). The search:
+
+1. solves with the budget left after what the solver does not model (``overhead``); when the
+   prediction overshoots, lowers the solver's budget by the overshoot and solves again, up to
+   ``max_rounds`` times;
+2. if no round fits, finds the least-memory plan (bisecting the solver's budget) and, when that
+   fits, bisects between it and the last failing budget for the largest fitting budget: the plan
+   that recomputes least among those that fit;
+3. if even the least-memory plan does not fit, raises ``BudgetError`` with the smallest predicted
+   peak, which a user can pass back as the budget.
+
+Decision only: no graph is edited here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fxopt.core.errors import BudgetError
+from fxopt.planning.solver import CheckpointPlan, CheckpointProblem, plan_checkpoints
+
+Predict = Callable[[CheckpointPlan], int]
+Predicted = tuple[int, CheckpointPlan]
+
+
+def search_plan(problem: CheckpointProblem, *, target: int, unoptimized_peak: int,
+                predict: Predict, max_region_atoms: int = 16, max_rounds: int = 6,
+                where: str = "checkpoint pass") -> Predicted:
+    """(predicted peak, plan) of the cheapest plan predicted to fit ``target`` bytes."""
+    overhead = unoptimized_peak - problem.kept_without_checkpointing()
+    solver_budget = target - overhead
+    best: Predicted | None = None
+    for _round in range(max_rounds):
+        plan = plan_checkpoints(problem, solver_budget, max_region_atoms=max_region_atoms)
+        if plan is None:
+            break
+        predicted = predict(plan)
+        if best is None or predicted < best[0]:
+            best = (predicted, plan)
+        if predicted <= target:
+            return best
+        solver_budget -= predicted - target
+    smallest = least_memory_plan(problem, predict, max_region_atoms)
+    if smallest is not None and smallest[0] <= target:
+        return _cheapest_fitting(problem, predict, target, smallest, target - overhead,
+                                 max_region_atoms)
+    smallest_peak = smallest[0] if smallest else unoptimized_peak
+    raise BudgetError(
+        f"memory budget {target:,} bytes cannot be met: the smallest predicted training "
+        f"peak this pass reaches is {smallest_peak:,} bytes (unoptimized: {unoptimized_peak:,})",
+        where=where,
+        hint=f"raise the budget to at least {smallest_peak:,} bytes, or lower the batch size",
+        smallest_bytes=smallest_peak,
+    )
+
+
+def least_memory_plan(problem: CheckpointProblem, predict: Predict,
+                      max_region_atoms: int) -> Predicted | None:
+    """(predicted peak, plan) of the least-memory plan the solver finds (bisecting its budget)."""
+    low, high = 0, problem.kept_without_checkpointing()
+    best_plan = None
+    for _ in range(12):
+        middle = (low + high) // 2
+        plan = plan_checkpoints(problem, middle, max_region_atoms=max_region_atoms)
+        if plan is None:
+            low = middle + 1
+        else:
+            best_plan, high = plan, middle
+    if best_plan is None:
+        return None
+    return predict(best_plan), best_plan
+
+
+def _cheapest_fitting(problem: CheckpointProblem, predict: Predict, target: int,
+                      fitting: Predicted, failing_budget: int, max_region_atoms: int,
+                      steps: int = 6) -> Predicted:
+    """Between a solver budget whose plan fits ``target`` (``fitting``, the least-memory plan)
+    and one whose plan does not, bisect for the largest that fits: it recomputes least.
+
+    Without it a budget just below what the re-solving rounds reach would get the least-memory
+    plan, paying for recomputation the budget does not ask for.
+    """
+    best = fitting
+    low, high = fitting[1].kept_bytes, failing_budget
+    for _ in range(steps):
+        if high - low < 2:
+            break
+        middle = (low + high) // 2
+        plan = plan_checkpoints(problem, middle, max_region_atoms=max_region_atoms)
+        predicted = predict(plan) if plan is not None else None
+        if predicted is not None and predicted <= target:
+            low = middle
+            if plan.extra_seconds < best[1].extra_seconds:
+                best = (predicted, plan)
+        else:
+            high = middle
+    return best

@@ -1,0 +1,73 @@
+"""An explicit, ordered registry of passes: what the pipeline may run, and in which order.
+
+Passes run in the registry's order whatever order a user lists them in; a list out of order is a
+``ConfigError`` naming the order (silently reordering would hide, e.g., that checkpointing
+decisions were taken on an unpadded graph). The built-in registry is ``passes.REGISTRY``;
+``fxopt.optimize(..., registry=...)`` takes another, e.g. ``passes.REGISTRY.with_pass(spec)``
+to add a pass of one's own. A registry is never changed in place, so one caller's additions
+cannot leak into another's pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from fxopt.core.errors import ConfigError
+from fxopt.rewrite.pass_base import PassResult
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """A pass as the pipeline knows it: its canonical name, the function, a one-line summary
+    (CLI help), whether the default pipeline runs it, and accepted short aliases."""
+
+    name: str
+    run: Callable[..., PassResult]
+    summary: str
+    default: bool = True
+    aliases: tuple[str, ...] = ()
+
+
+class PassRegistry:
+    """Passes in canonical order (the order they were given in)."""
+
+    def __init__(self, specs: Iterable[PassSpec] = ()):
+        self._specs: dict[str, PassSpec] = {}
+        for spec in specs:
+            taken = {spec.name, *spec.aliases} & self._names()
+            if taken:
+                raise ConfigError(f"pass {spec.name!r}: name or alias {sorted(taken)} is taken",
+                                  hint="give the pass a name and aliases of its own")
+            self._specs[spec.name] = spec
+
+    def _names(self) -> set[str]:
+        return {n for s in self._specs.values() for n in (s.name, *s.aliases)}
+
+    def with_pass(self, spec: PassSpec, *, before: str | None = None) -> PassRegistry:
+        """A new registry with ``spec`` added at the end, or just before the pass ``before``."""
+        specs = list(self._specs.values())
+        index = len(specs) if before is None else self.canonical_order().index(before)
+        return PassRegistry([*specs[:index], spec, *specs[index:]])
+
+    def canonical_order(self) -> list[str]:
+        return list(self._specs)
+
+    def lookup(self, name: str) -> PassSpec | None:
+        """The pass called ``name`` or aliased so, or None."""
+        for spec in self._specs.values():
+            if name == spec.name or name in spec.aliases:
+                return spec
+        return None
+
+    def defaults(self) -> list[PassSpec]:
+        return [s for s in self._specs.values() if s.default]
+
+    def __iter__(self) -> Iterator[PassSpec]:
+        return iter(list(self._specs.values()))
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __repr__(self) -> str:
+        return f"PassRegistry({', '.join(self._specs)})"
