@@ -145,3 +145,22 @@ def test_reorder_of_an_fx_graph_keeps_the_codegen():
     codegen = type(gm.graph._codegen)
     reorder(gm)
     assert isinstance(gm.graph, fx.Graph) and type(gm.graph._codegen) is codegen
+
+
+class IndependentDropouts(nn.Module):
+    """Two random ops with no data dependence: a schedule that swapped them would hand each the
+    other's random numbers."""
+
+    def forward(self, x, y):
+        a = torch.nn.functional.dropout1d(x, 0.5, training=True)
+        b = torch.nn.functional.dropout3d(y.unsqueeze(0), 0.5, training=True)
+        c = torch.nn.functional.feature_alpha_dropout(y, 0.5, training=True)
+        return a.sum() + b.sum() + c.sum()
+
+
+def test_random_ops_keep_their_relative_order():
+    gm = trace(IndependentDropouts(), (torch.randn(2, 4, 8), torch.randn(2, 4, 8, 8)))
+    deps = dependencies(gm)
+    drops = [n for n in gm.graph.nodes if "dropout" in str(n.target)]
+    assert len(drops) == 3
+    assert drops[0] in deps[drops[1]] and drops[1] in deps[drops[2]]
