@@ -80,3 +80,22 @@ def test_step_peak_of_a_compiled_peer_is_measured_inside_the_compiled_graph():
     eager = step_peak_bytes(model, (x,))
     compiled = step_peak_bytes(peer, (x,))
     assert compiled > 0 and compiled != eager  # a different program: decomposed, partitioned
+
+
+def test_compiled_peers_leave_the_users_compiled_code_alone():
+    """Nothing resets torch.compile's caches: a function the user compiled before the benchmark
+    does not compile again after it."""
+    user_compiles = []
+
+    def users_backend(gm, example_inputs):
+        user_compiles.append(gm)
+        return gm.forward
+
+    users_function = torch.compile(lambda x: x.sin() + 1, backend=users_backend)
+    users_function(torch.randn(3))
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(4, 8)
+    for fraction in (1.0, 0.0):
+        peer, _ = build_peer("torch_compile_min_cut", model, (x,), fraction)
+        peer(x).sum().backward()
+    users_function(torch.randn(3))
+    assert len(user_compiles) == 1  # torch._dynamo.reset() would make it 2

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch._functorch import config as functorch_config
 from torch.utils.checkpoint import checkpoint_sequential
 
+from fxopt.core.torch_private import compile_backend, min_cut_memory_budget
 from fxopt.rewrite.subgraph import extract_subgraph
-from fxopt.capture.trace import structural_copy, trace
+from fxopt.capture.trace import trace
+from fxopt.core.modules import structural_copy
 
 
 @dataclass(frozen=True)
@@ -98,20 +99,30 @@ class CompiledWithBudget(nn.Module):
         super().__init__()
         self.model = model
         self.budget = budget
-        object.__setattr__(self, "compiled", torch.compile(model, backend=backend))
+        object.__setattr__(self, "compiled", torch.compile(model, backend=_own_backend(backend)))
 
     def forward(self, *args: Any) -> Any:
-        with functorch_config.patch(activation_memory_budget=self.budget):
+        with min_cut_memory_budget(self.budget):
             return self.compiled(*args)
+
+
+def _own_backend(name: str) -> Callable[..., Any]:
+    """The backend ``name`` behind a callable of this peer's own. Dynamo keeps compiled code per
+    code object and checks which backend made it, so a second budget on the same model class
+    compiles anew instead of reusing the first budget's graph -- without ``torch._dynamo.reset()``,
+    which would also throw away every compiled cache of the user's process."""
+    inner = compile_backend(name)
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        return inner(gm, example_inputs)
+
+    return backend
 
 
 def build_torch_compile(model: nn.Module, inputs: tuple, fraction: float
                         ) -> tuple[nn.Module | None, str]:
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
     backend = "inductor" if on_cuda else "aot_eager_decomp_partition"
-    # dynamo caches compiled code per code object; without a reset a second budget on the same
-    # model class would reuse the first one's graph.
-    torch._dynamo.reset()
     return (CompiledWithBudget(structural_copy(model), fraction, backend),
             f"backend {backend}, activation_memory_budget={fraction:.2f}")
 
