@@ -38,6 +38,7 @@ from fxopt.analysis import estimate_peak
 from fxopt.planning.budget import activation_bytes, budget_bytes, trainable_grad_bytes
 from fxopt.planning.checkpoint_problem import build_problem
 from fxopt.capture.meta import placeholder_values, refresh_meta
+from fxopt.core.torch_private import copy_codegen
 from fxopt.rewrite.pass_base import PassResult, mark_new
 from fxopt.runtime.regions import CheckpointedRegion, call_region
 from fxopt.capture.trace import graph_module_like
@@ -93,7 +94,7 @@ def _predict(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan) -
     """Predicted train peak of ``gm`` with ``plan`` applied (on a copy; ``gm`` is untouched)."""
     mapping: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
-    graph._codegen = gm.graph._codegen
+    copy_codegen(gm.graph, graph)
     graph.output(graph.graph_copy(gm.graph, mapping))
     candidate = graph_module_like(gm, graph)
     apply_plan(candidate, [mapping[n] for n in forward], plan)

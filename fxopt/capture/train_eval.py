@@ -30,12 +30,13 @@ import torch
 from torch import fx
 
 from fxopt.core.errors import TraceError
+from fxopt.core.torch_private import CodeGen, codegen_of, has_plain_codegen
 from fxopt.runtime.eval_forward import EvalForward
 
 _GLOBAL_NAME = "fxopt_eval_forward"
 
 
-class ModeDispatchCodeGen(fx.graph.CodeGen):
+class ModeDispatchCodeGen(CodeGen):
     """Generates ``forward`` with an eval-mode early return in front of the train-mode body.
 
     The early return calls the global ``fxopt_eval_forward(self, ...)``, or with ``method`` set
@@ -98,10 +99,10 @@ def _same_target(x: fx.Node, y: fx.Node, root: torch.nn.Module) -> bool:
 
 def install_eval_graph(gm: fx.GraphModule, eval_graph: fx.Graph) -> None:
     """Make ``gm``'s forward run ``eval_graph`` whenever ``gm.training`` is False."""
-    if type(gm.graph._codegen) is not fx.graph.CodeGen:  # e.g. pytree-flattened arguments
+    if not has_plain_codegen(gm.graph):  # e.g. pytree-flattened arguments
         raise TraceError(
             f"{type(gm).__name__}.forward depends on self.training and its traced code uses "
-            f"{type(gm.graph._codegen).__name__}, which fxopt cannot combine with a per-mode graph",
+            f"{type(codegen_of(gm.graph)).__name__}, which fxopt cannot combine with a per-mode graph",
             where="forward", hint="pass plain tensors as example inputs, or move the "
             "self.training branch into a submodule and list it in leaf_modules=(...)")
     eval_module = fx.GraphModule(gm, eval_graph, class_name=f"{type(gm).__name__}Eval")
@@ -110,12 +111,12 @@ def install_eval_graph(gm: fx.GraphModule, eval_graph: fx.Graph) -> None:
 
 
 def has_eval_graph(gm: fx.GraphModule) -> bool:
-    return isinstance(gm.graph._codegen, ModeDispatchCodeGen)
+    return isinstance(codegen_of(gm.graph), ModeDispatchCodeGen)
 
 
 def eval_graph(gm: fx.GraphModule) -> fx.Graph | None:
     """The eval-mode graph ``gm`` dispatches to, or None when it has one graph for both."""
-    return gm.graph._codegen.eval_forward.eval_module.graph if has_eval_graph(gm) else None
+    return codegen_of(gm.graph).eval_forward.eval_module.graph if has_eval_graph(gm) else None
 
 
 def dispatch_to_method(graph: fx.Graph, method: str) -> fx.Graph:
@@ -123,5 +124,5 @@ def dispatch_to_method(graph: fx.Graph, method: str) -> fx.Graph:
     copied = fx.Graph()
     output = copied.graph_copy(graph, {})
     copied.output(output)
-    copied.set_codegen(ModeDispatchCodeGen(graph._codegen.eval_forward, method=method))
+    copied.set_codegen(ModeDispatchCodeGen(codegen_of(graph).eval_forward, method=method))
     return copied

@@ -10,9 +10,12 @@ the device and dtype of parameters, buffers and inputs, so a model that runs in 
 ``Decider.keep(case)`` then decides per op, like Inductor's matmul padding: the op's forward and
 backward are timed once unpadded and once padded (weight pads, and the input pad when its input
 arrives unpadded, included), alternately, and the pad is kept only if it is faster by more than
-``margin``. Timings are cached per (op, shapes, options, dtype, device) for the process, and on
-CUDA also in ``$FXOPT_CACHE_DIR/pad_timings.json`` (default ``~/.cache/fxopt``) keyed by GPU name
-and torch version; a cache file that cannot be read or written is ignored. The timer is
+``margin``. A Decider keeps its timings per (op, shapes, options, dtype, device) for its own life
+(one pass run); on CUDA they are also kept in ``$FXOPT_CACHE_DIR/pad_timings.json`` (default
+``~/.cache/fxopt``) keyed by GPU name, torch and cuDNN versions and the backend settings that
+change which kernels run (``backend_settings()``: cuDNN enabled/benchmark/deterministic, TF32
+for convolutions and matmuls, float32 matmul precision), so a timing taken under other settings
+is never reused. A cache file that cannot be read or written is ignored. The timer is
 injectable (``Decider(timer=...)``), which is how the decision logic is tested without a GPU.
 """
 
@@ -123,22 +126,24 @@ class Decider:
         return self.timings[case]
 
     def _cached(self, case: TimingCase) -> tuple[float, float]:
-        key = (self.timer, case)
-        if key not in _PROCESS_CACHE:
-            stored = _read_cache(self.cache_file).get(_file_key(case)) if self.cache_file else None
-            if isinstance(stored, list) and len(stored) == 2 and \
-                    all(isinstance(v, (int, float)) for v in stored):
-                _PROCESS_CACHE[key] = (float(stored[0]), float(stored[1]))
-            else:
-                assert self.timer is not None
-                _PROCESS_CACHE[key] = self.timer(case)
-                if self.cache_file is not None:
-                    _write_cache(self.cache_file, _file_key(case), _PROCESS_CACHE[key])
-        return _PROCESS_CACHE[key]
+        stored = _read_cache(self.cache_file).get(_file_key(case)) if self.cache_file else None
+        if isinstance(stored, list) and len(stored) == 2 and \
+                all(isinstance(v, (int, float)) for v in stored):
+            return float(stored[0]), float(stored[1])
+        assert self.timer is not None
+        seconds = self.timer(case)
+        if self.cache_file is not None:
+            _write_cache(self.cache_file, _file_key(case), seconds)
+        return seconds
 
 
-# (timer, case) -> (unpadded seconds, padded seconds), for the life of the process
-_PROCESS_CACHE: dict[tuple[Timer, TimingCase], tuple[float, float]] = {}
+def backend_settings() -> tuple[tuple[str, Any], ...]:
+    """The global switches that change which convolution and matmul kernels run."""
+    cudnn = torch.backends.cudnn
+    return (("cudnn", cudnn.enabled), ("cudnn_benchmark", cudnn.benchmark),
+            ("cudnn_deterministic", cudnn.deterministic), ("cudnn_tf32", cudnn.allow_tf32),
+            ("matmul_tf32", torch.backends.cuda.matmul.allow_tf32),
+            ("float32_matmul_precision", torch.get_float32_matmul_precision()))
 
 
 def default_decider(gm: fx.GraphModule, *, measure: bool | None, timer: Timer | None,
@@ -162,7 +167,9 @@ def default_cache_file() -> Path:
 def _file_key(case: TimingCase) -> str:
     device = torch.device(case.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return f"{name}|torch {torch.__version__}|{case!r}"
+    settings = ",".join(f"{k}={v}" for k, v in backend_settings())
+    return (f"{name}|torch {torch.__version__}|cudnn {torch.backends.cudnn.version()}|"
+            f"{settings}|{case!r}")
 
 
 def _read_cache(path: Path) -> dict[str, Any]:

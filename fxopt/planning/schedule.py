@@ -30,6 +30,7 @@ from fxopt.analysis.randomness import draws_random_numbers
 from fxopt.analysis.writes import overwritten_inputs
 from fxopt.capture.meta import placeholder_values
 from fxopt.capture.trace import graph_module_like
+from fxopt.core.torch_private import copy_codegen
 
 _PURE_MODULES = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
@@ -165,7 +166,7 @@ def static_peak(order: list[fx.Node], aliases: dict[fx.Node, int], saved: set[fx
 def graph_in_order(graph: fx.Graph, order: list[fx.Node]) -> fx.Graph:
     """A new graph with ``graph``'s nodes in ``order`` (``graph`` itself is not changed)."""
     new = fx.Graph()
-    new._codegen = graph._codegen
+    copy_codegen(graph, new)
     env: dict[fx.Node, fx.Node] = {}
     for node in order:
         env[node] = new.node_copy(node, lambda n: env[n])

@@ -19,25 +19,24 @@ on ``self.training`` (``fxopt.capture.train_eval``) or takes pytree-structured a
 from __future__ import annotations
 
 from torch import fx
-from torch.fx.graph import _BoxedCodeGen
-
 from fxopt.core.errors import ConfigError
+from fxopt.core.torch_private import boxed_codegen, codegen_of, has_plain_codegen
 from fxopt.capture.train_eval import has_eval_graph
 from fxopt.capture.trace import graph_module_like
 
 
 def release_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with the boxed calling convention: ``boxed(inputs_list)`` empties the list."""
-    if type(gm.graph._codegen) is not fx.graph.CodeGen:
+    if not has_plain_codegen(gm.graph):
         why = ("its forward depends on self.training (a graph per mode)" if has_eval_graph(gm)
-               else f"its code generator is {type(gm.graph._codegen).__name__}")
+               else f"its code generator is {type(codegen_of(gm.graph)).__name__}")
         raise ConfigError(f"release_inputs cannot rewrite {type(gm).__name__}: {why}",
                           hint="call the module normally; its inputs are then freed when the "
                           "caller drops them")
     graph = fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
-    graph.set_codegen(_BoxedCodeGen())
+    graph.set_codegen(boxed_codegen())
     boxed = graph_module_like(gm, graph)
     boxed.meta.update(gm.meta)
     return boxed
