@@ -3,12 +3,17 @@
 Rewrites ReLU, ReLU6, LeakyReLU, Hardtanh, ELU, SELU, CELU, SiLU, Hardswish, Hardsigmoid and
 Mish -- module calls, ``F.relu(x)``, ``torch.relu(x)``, ``x.relu()`` -- to their in-place form,
 at one call site at a time (a module object used at several call sites is never flipped; the call
-site becomes ``F.<act>(x, ..., inplace=True)`` and the module is left alone, hooks included).
+site becomes ``F.<act>(x, ..., inplace=True)`` and the module object is left alone).
 
 A call site is rewritten only when all of these hold:
 
+- it is not a call of a module with hooks (``fxopt.core.modules.has_hooks``: forward pre/post
+  hooks, backward pre/post hooks): the functional form would no longer fire them;
 - its input is computed inside the graph: not a graph input, parameter, buffer or constant, nor a
   view of one (decided from storage identity of the fake tensors in ``meta["val"]``);
+- neither its input nor any alias of it is the output of, or an argument to, a call of a module
+  with hooks: a hook may keep what it sees (feature extraction), and autograd refuses in-place
+  writes to the outputs of a module with full backward hooks;
 - no other node reads the input, or any alias of it, after this one;
 - ``train=True`` (default): no other node's backward needs the overwritten value (the saved
   tensor analysis, obtained from autograd itself), and the in-place form's own backward saves only
@@ -19,12 +24,13 @@ A call site is rewritten only when all of these hold:
   or ``eval`` use without backward; autograd raises (never silently miscomputes) if it is trained.
 
 Not handled: activations inside opaque leaf modules, and user modules subclassing the listed
-ones (their forward may differ), and modules with hooks.
+ones (their forward may differ). Process-wide module hooks
+(``torch.nn.modules.module.register_module_forward_hook`` & co.) are not considered: a rewritten
+call site is no longer a module call they see.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import operator
 from collections.abc import Callable
@@ -37,6 +43,7 @@ from torch.utils._pytree import tree_map_only
 
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.capture.meta import placeholder_values, refresh_meta
+from fxopt.core.modules import call_hooks, has_hooks
 from fxopt.rewrite.pass_base import PassResult, mark_new
 
 PASS_NAME = "inplace_activations"
@@ -65,7 +72,7 @@ def _rewrite_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Callable, tuple, dic
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         form = _MODULE_FORMS.get(type(module))
-        if form is None or getattr(module, "inplace", False) or _has_hooks(module) or node.kwargs:
+        if form is None or getattr(module, "inplace", False) or node.kwargs:
             return None
         fn, attrs = form
         return fn, (node.args[0], *(getattr(module, a) for a in attrs)), {"inplace": True}
@@ -81,10 +88,6 @@ def _rewrite_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Callable, tuple, dic
     if node.op == "call_method" and node.target in _METHODS:
         return operator.methodcaller(node.target + "_"), node.args, dict(node.kwargs)
     return None
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
 
 
 def _bound_arg(node: fx.Node, name: str, fn: Callable) -> Any:
@@ -103,10 +106,9 @@ def _positional_without_inplace(node: fx.Node) -> tuple:
     return tuple(node.args)
 
 
-@functools.cache
 def _inplace_backward_saves_only_result(target: Any, const_args: tuple, kwargs: tuple) -> bool:
     """Ask autograd: does the in-place form save only its (overwritten) input, and run backward?"""
-    leaf = torch.randn(8, requires_grad=True)
+    leaf = torch.linspace(-2.0, 2.0, 8, requires_grad=True)  # both signs; no RNG drawn
     x = leaf * 1.0
     saved_storages = []
 
@@ -130,7 +132,7 @@ def _call(target: Any, args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def _safe(node: fx.Node, source: fx.Node, order: dict[fx.Node, int], aliases: dict[fx.Node, int],
-          saved_by: dict[fx.Node, set[fx.Node]], train: bool) -> str | None:
+          saved_by: dict[fx.Node, set[fx.Node]], train: bool, hooked: set[fx.Node]) -> str | None:
     """Why ``node`` may not overwrite ``source`` (None when it may)."""
     if source.op in ("placeholder", "get_attr"):
         return "input is a graph input or parameter"
@@ -138,6 +140,13 @@ def _safe(node: fx.Node, source: fx.Node, order: dict[fx.Node, int], aliases: di
     group = [n for n, c in aliases.items() if c == cls] if cls is not None else [source]
     if any(n.op in ("placeholder", "get_attr") for n in group):
         return "input is a view of a graph input or parameter"
+    for member in group:
+        # A hook may keep the tensors it is given (feature extraction), and a full backward
+        # hook's outputs may not be modified in place at all.
+        module_call = member if member in hooked else next(
+            (user for user in member.users if user in hooked), None)
+        if module_call is not None:
+            return f"input is seen by the hooks of {module_call.target}"
     for member in group:
         for user in member.users:
             if user is not node and order[user] > order[node]:
@@ -155,17 +164,26 @@ def inplace_activations(gm: fx.GraphModule, *, train: bool = True) -> PassResult
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     aliases = alias_classes(gm, either_mode=True)
     saved_by = _saved_by(gm) if train else {}
+    hooked = {n for n in gm.graph.nodes
+              if n.op == "call_module" and has_hooks(gm.get_submodule(n.target))}
     rewritten, skipped = [], {}
+    backward_ok: dict[tuple, bool] = {}  # per in-place form, asked of autograd once per run
     for node in list(gm.graph.nodes):
+        if node in hooked:
+            module = gm.get_submodule(node.target)
+            if type(module) in _MODULE_FORMS:
+                skipped[node.name] = f"module has {' and '.join(call_hooks(module))}"
+            continue
         rewrite = _rewrite_of(gm, node)
         if rewrite is None or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         target, args, kwargs = rewrite
         source = node.args[0]
-        why_not = _safe(node, source, order, aliases, saved_by, train)
-        if why_not is None and train and not _inplace_backward_saves_only_result(
-            target, tuple(args[1:]), tuple(sorted(kwargs.items()))
-        ):
+        why_not = _safe(node, source, order, aliases, saved_by, train, hooked)
+        form = (target, tuple(args[1:]), tuple(sorted(kwargs.items())))
+        if why_not is None and train and form not in backward_ok:
+            backward_ok[form] = _inplace_backward_saves_only_result(*form)
+        if why_not is None and train and not backward_ok[form]:
             why_not = "in-place backward would save a copy of the input (no memory saved)"
         if why_not:
             skipped[node.name] = why_not

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxopt.core.errors import InputError, TraceError
-from fxopt.capture.trace import structural_copy, trace
+from fxopt.capture.trace import trace
+from fxopt.core.modules import structural_copy
 from helpers import TiedEmbedding
 
 
@@ -138,6 +139,50 @@ def test_structural_copy_preserves_module_sharing():
     model = nn.Sequential(nn.Linear(2, 2), shared, nn.Linear(2, 2), shared)
     copy = structural_copy(model)
     assert copy[1] is copy[3] and copy[1] is not shared
+
+
+class TwoLayerBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).relu()
+
+
+def test_submodule_with_hooks_stays_a_call_so_its_hooks_fire_when_the_module_runs():
+    model = nn.Sequential(TwoLayerBlock(), TwoLayerBlock(), nn.Linear(4, 2))
+    calls = []
+    model[0].register_forward_hook(lambda mod, args, out: calls.append("forward"))
+    model[0].register_full_backward_pre_hook(lambda mod, grad_out: calls.append("backward"))
+    x = torch.randn(3, 4, requires_grad=True)
+    gm = trace(model, (x,))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["0", "1.lin", "2"]
+    leaves = gm.meta["fxopt_trace"].leaves
+    assert [(leaf.path, leaf.module_type) for leaf in leaves] == [("0", "TwoLayerBlock")]
+    assert leaves[0].reason == "has forward hooks and backward pre-hooks: kept as a call so they run"
+    calls.clear()
+    gm(x).sum().backward()
+    assert calls == ["forward", "backward"]
+
+
+def test_root_hooks_fire_on_the_traced_module():
+    model, calls = nn.Sequential(nn.Linear(4, 2)), []
+    model.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    model.register_forward_hook(lambda mod, args, out: calls.append(mod))
+    x = torch.randn(3, 4)
+    gm = trace(model, (x,))
+    calls.clear()
+    assert torch.equal(gm(x), model(x))
+    assert calls == [gm, model]
+
+
+def test_hooks_registered_on_the_traced_module_do_not_reach_the_users_model():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    gm = trace(model, (torch.randn(3, 4),))
+    gm.get_submodule("1").register_full_backward_pre_hook(lambda mod, grad_out: None)
+    gm.register_forward_hook(lambda mod, args, out: None)
+    assert not model[1]._backward_pre_hooks and not model._forward_hooks
 
 
 @pytest.mark.parametrize("bad_model", [object(), lambda x: x, "resnet"])

@@ -11,6 +11,15 @@ a proxy, ...) are kept as opaque leaf calls: the tracer retries with the innermo
 as a leaf until the trace succeeds, and records each fallback with its reason. Only when the root's
 own ``forward`` cannot be traced does it raise ``TraceError``.
 
+Hooks (``fxopt.core.modules.has_hooks``) registered before ``trace`` keep firing on the traced
+module, where the user's model would fire them: a submodule with hooks is kept as a leaf call
+(recorded in ``TraceInfo.leaves``; traced through, its hooks would run once at trace time, on
+proxies), and the root's hooks are copied onto the GraphModule. They also fire whenever fxopt
+itself runs the module (meta propagation, verification, measurement). Hooks registered on the
+user's model afterwards do not reach the traced module, nor the other way round. Process-wide
+module hooks (``torch.nn.modules.module.register_module_forward_hook`` & co.) fire only for the
+module calls left in the graph.
+
 Example inputs are forward's positional arguments: a tensor, or a tuple/list of them, where an
 argument may also be a tuple, list or dict of tensors, or a plain value (None, bool, int, float,
 str). Plain values and the parameters left out at the end (which take their defaults) are
@@ -36,6 +45,7 @@ from typing import Any
 from torch import fx, nn
 
 from fxopt.core.errors import TraceError
+from fxopt.core.modules import call_hooks, copy_hooks, has_hooks, structural_copy
 from fxopt.core.inputs import check_inputs, concrete_args
 from fxopt.capture.train_eval import install_eval_graph, same_graph
 from fxopt.runtime.regions import CheckpointedRegion, call_region
@@ -50,7 +60,7 @@ from fxopt.capture.trace_checks import (
 
 @dataclass(frozen=True)
 class LeafFallback:
-    """A submodule kept as an opaque call because torch.fx could not trace through it."""
+    """A submodule kept as an opaque call: torch.fx could not trace through it, or it has hooks."""
 
     path: str
     module_type: str
@@ -65,31 +75,6 @@ class TraceInfo:
     mode_dependent: bool = False
 
 
-def structural_copy(model: nn.Module) -> nn.Module:
-    """New module objects all the way down, sharing the user's Parameter and buffer tensors.
-
-    A module used twice in the tree is copied once, so sharing (and tied weights) survives.
-    """
-    memo: dict[int, nn.Module] = {}
-
-    def copy_module(module: nn.Module) -> nn.Module:
-        if id(module) in memo:
-            return memo[id(module)]
-        new = copy.copy(module)
-        memo[id(module)] = new
-        for attr in ("_parameters", "_buffers", "_non_persistent_buffers_set",
-                     "_forward_hooks", "_forward_pre_hooks", "_backward_hooks"):
-            if attr in module.__dict__:
-                new.__dict__[attr] = copy.copy(module.__dict__[attr])
-        new.__dict__["_modules"] = {
-            name: None if child is None else copy_module(child)
-            for name, child in module._modules.items()
-        }
-        return new
-
-    return copy_module(model)
-
-
 class _FallbackTracer(fx.Tracer):
     """A tracer that treats ``forced_leaves`` as leaves and remembers the innermost failing module.
 
@@ -101,6 +86,7 @@ class _FallbackTracer(fx.Tracer):
         # recorded as that call, not traced through (which would drop the checkpointing).
         super().__init__(autowrap_functions=(call_region,))
         self.forced_leaves = forced_leaves
+        self.hooked: dict[str, nn.Module] = {}  # path -> module made a leaf for its hooks
         self.record_stack_traces = True
         # Buffers as graph values too (fx proxies only parameters by default): otherwise an
         # in-place update in forward (self.count.add_(1)) runs once, eagerly, on the user's
@@ -108,9 +94,14 @@ class _FallbackTracer(fx.Tracer):
         self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.forced_leaves or super().is_leaf_module(
-            m, module_qualified_name
-        )
+        if module_qualified_name in self.forced_leaves or super().is_leaf_module(
+                m, module_qualified_name):
+            return True
+        if has_hooks(m):
+            # Traced through, its hooks would run once now, on proxies, and never again.
+            self.hooked[module_qualified_name] = m
+            return True
+        return False
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         try:
@@ -138,7 +129,9 @@ def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
 
     fx would otherwise copy only the attributes the graph uses (dropping unused parameters, and
     modules only reached through a checkpointed region) and register tracer constants as buffers
-    (adding state_dict keys). Plain attributes the graph reads stay plain attributes.
+    (adding state_dict keys). Plain attributes the graph reads stay plain attributes. ``shell``'s
+    own hooks are copied: tracing ran its ``forward``, not its hooks, which must run when the
+    GraphModule is called.
     """
     gm = fx.GraphModule(shell, graph, class_name=type(shell).__name__)
     constants = {n.target: operator.attrgetter(n.target)(gm) for n in graph.nodes
@@ -155,19 +148,24 @@ def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
             # A tracer-made constant: a plain attribute, not a buffer, so not in state_dict.
             object.__setattr__(owner, name, value)
     gm.training = shell.training  # submodules keep their own flags (a frozen BN stays in eval)
+    copy_hooks(shell, gm)
     return gm
 
 
-def _trace_both_modes(shell: nn.Module, forced: set[str], concrete: dict[str, Any]
-                      ) -> tuple[fx.Graph, fx.Graph]:
-    """Trace ``shell`` with every module in train mode, then in eval mode (flags restored)."""
+def _trace_both_modes(shell: nn.Module, forced: set[str], concrete: dict[str, Any],
+                      hooked: dict[str, nn.Module]) -> tuple[fx.Graph, fx.Graph]:
+    """Trace ``shell`` with every module in train mode, then in eval mode (flags restored).
+
+    ``hooked`` receives the modules kept as leaves for their hooks."""
     flags = [(m, m.training) for m in shell.modules()]
     try:
         graphs = []
         with user_checkpoints_refused():
             for training in (True, False):
                 shell.train(training)
-                graphs.append(_FallbackTracer(forced).trace(shell, concrete_args=concrete or None))
+                tracer = _FallbackTracer(forced)
+                graphs.append(tracer.trace(shell, concrete_args=concrete or None))
+                hooked.update(tracer.hooked)
         return graphs[0], graphs[1]
     finally:
         for module, flag in flags:
@@ -187,8 +185,9 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
     info = TraceInfo()
     while True:
         shell = structural_copy(model)  # fresh each attempt: a failed trace leaves constants behind
+        hooked: dict[str, nn.Module] = {}
         try:
-            graph, eval_graph = _trace_both_modes(shell, forced, concrete)
+            graph, eval_graph = _trace_both_modes(shell, forced, concrete, hooked)
             break
         except Exception as error:  # torch.fx raises many types; we re-raise all as TraceError
             path = getattr(error, "_fxopt_failed_module", "")
@@ -205,6 +204,10 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
                 f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} "
                 f"({user_frame(error)})",
             ))
+    info.leaves.extend(
+        LeafFallback(path, type(module).__name__,
+                     f"has {' and '.join(call_hooks(module))}: kept as a call so they run")
+        for path, module in hooked.items())
     check_state_kept(model, shell)
     gm = graph_module_like(shell, graph)
     _rebind_regions(gm)

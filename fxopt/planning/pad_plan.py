@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fxopt.core.modules import has_hooks
 from fxopt.planning.pad_policy import TimingCase
 
 
@@ -133,11 +134,6 @@ _DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1
              "output_padding": 0}
 _MATMUL_FUNCTIONS = {torch.matmul, operator.matmul, torch.mm, torch.bmm}
 _MATMUL_METHODS = {"matmul", "mm", "bmm"}
-
-
-def has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
 
 
 def _heavy(gm: fx.GraphModule, node: fx.Node) -> _Heavy | None:

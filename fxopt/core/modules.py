@@ -1,0 +1,152 @@
+"""Module trees: the one structural copy, and the one answer to "does this module have hooks".
+
+``structural_copy(model)`` gives fxopt a module tree of its own to trace and rewrite while the
+user's Parameters and buffers stay the very tensors an optimizer holds. ``has_hooks(module)`` is
+what every pass asks before it replaces, removes or looks through a module call.
+
+Both read nn.Module's per-instance internals (``_parameters``, ``_modules``, the hook dicts);
+``MODULE_CONTAINERS`` is read off a fresh ``nn.Module()``, so a torch release that adds a hook
+dict is covered without a change here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import fx, nn
+
+# Every dict or set ``nn.Module.__init__`` gives an instance. On torch 2.14: _parameters,
+# _buffers, _non_persistent_buffers_set, _modules, and 11 hook dicts: forward pre/post hooks and
+# their with_kwargs/always_call marks, backward pre/post hooks, state_dict and load_state_dict
+# pre/post hooks.
+MODULE_CONTAINERS: tuple[str, ...] = tuple(
+    name for name, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
+HOOK_DICTS: tuple[str, ...] = tuple(name for name in MODULE_CONTAINERS if "hook" in name)
+
+# The hook dicts whose hooks run when the module is called or when gradients flow back through
+# that call, with what to call them in a message. ``*_with_kwargs`` and ``*_always_called`` only
+# mark entries of the dict before them; they are listed so a hook is found whichever dict a
+# future torch keeps it in.
+CALL_HOOK_DICTS: dict[str, str] = {
+    "_forward_pre_hooks": "forward pre-hooks",
+    "_forward_pre_hooks_with_kwargs": "forward pre-hooks",
+    "_forward_hooks": "forward hooks",
+    "_forward_hooks_with_kwargs": "forward hooks",
+    "_forward_hooks_always_called": "forward hooks",
+    "_backward_pre_hooks": "backward pre-hooks",
+    "_backward_hooks": "backward hooks",
+}
+
+# Per-instance containers of torch's own subclasses: GraphModule's (besides its graph, which is
+# copied node by node), and the RNN weight list that ``rnn.weight_ih_l0 = ...`` updates in place.
+_CLASS_CONTAINERS: tuple[tuple[type, tuple[str, ...]], ...] = (
+    (fx.GraphModule, ("meta", "_lineno_map", "_tracer_extras", "_replace_hooks",
+                      "_create_node_hooks", "_erase_node_hooks", "_deepcopy_hooks")),
+    (nn.RNNBase, ("_flat_weights", "_flat_weight_refs")),
+)
+
+
+def call_hooks(module: nn.Module) -> list[str]:
+    """The kinds of hooks ``module`` itself has that run when it is called, e.g. ["forward hooks"].
+
+    Counted: forward pre-hooks and forward hooks (also those registered ``with_kwargs=True`` or
+    ``always_call=True``), backward pre-hooks (``register_full_backward_pre_hook``) and backward
+    hooks (``register_full_backward_hook`` and the legacy ``register_backward_hook``). Not
+    counted: state_dict and load_state_dict hooks, which never see a call; hooks of the module's
+    submodules (ask each); and the process-wide hooks of ``torch.nn.modules.module``
+    (``register_module_forward_hook`` & co.), which belong to no module: they fire on every
+    module call, and fxopt keeps no promise about which module calls exist after tracing (torch.fx
+    already inlines every module it traces through), so they neither stop a pass nor are
+    reported.
+    """
+    kinds: list[str] = []
+    for name, kind in CALL_HOOK_DICTS.items():
+        # A module unpickled from an old torch may lack the newer dicts.
+        if getattr(module, name, None) and kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks that run when it is called; see ``call_hooks``.
+
+    A pass must then keep every call of the module as a call of that module, with the same
+    inputs and outputs: replacing the call (by a functional form), skipping it, or overwriting its
+    inputs or outputs in place would stop the hooks firing, change what they see, or (full
+    backward hooks) make autograd raise.
+    """
+    return bool(call_hooks(module))
+
+
+def copy_hooks(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target`` shallow copies of all of ``source``'s hook dicts, replacing its own.
+
+    The hook functions are shared; registering or removing a hook on either module afterwards
+    does not affect the other (a handle returned before the copy removes the hook from
+    ``source`` only).
+    """
+    for name in HOOK_DICTS:
+        if name in source.__dict__:
+            target.__dict__[name] = copy.copy(source.__dict__[name])
+    if "_is_full_backward_hook" in source.__dict__:
+        target.__dict__["_is_full_backward_hook"] = source.__dict__["_is_full_backward_hook"]
+
+
+def structural_copy(model: nn.Module) -> nn.Module:
+    """A new module tree shaped like ``model`` whose Parameters and buffers are ``model``'s own.
+
+    Every module is a new object of the same class (see GraphModule below) with the same
+    ``__dict__`` entries, except that each of nn.Module's per-instance containers
+    (``MODULE_CONTAINERS``: ``_modules``, ``_parameters``, ``_buffers``,
+    ``_non_persistent_buffers_set`` and every hook dict) is a shallow copy. So on the copy one may
+    add, remove or replace submodules, parameters, buffers and hooks, and set flags such as
+    ``training`` or ``inplace``, without the user's modules seeing it, while the Parameter and
+    buffer objects themselves are shared: an optimizer over the copy's parameters trains the
+    user's, and in-place updates of a buffer (BatchNorm's running statistics) land in the
+    user's buffer.
+
+    A module reachable at several paths (``self.a = m; self.b = m``) is copied once, so the copy
+    shares it at the same paths; tied parameters stay tied. Hooks registered on ``model``'s
+    modules before the copy fire on the copy too (with the copy as their ``module`` argument);
+    hooks registered, or removed through their handles, afterwards affect one side only.
+
+    GraphModule: each instance has a class of its own holding its generated ``forward``, so the
+    copy is an instance of a new such class over the same base, with a node-by-node copy of the
+    graph (node ``meta`` copied shallowly) and its own ``meta`` dict; editing and recompiling the
+    copy leaves the original as it was. A ``torch.compile``-d module (``module.compile()``) is
+    copied uncompiled, as ``copy.copy`` and pickling do.
+
+    An RNN's list of its weights (``_flat_weights``, which ``rnn.weight_ih_l0 = ...`` updates in
+    place) is copied too.
+
+    Not copied, so shared with ``model``: every other attribute value -- tensors and modules held
+    as plain attributes (not registered), lists and dicts a user's module keeps for itself, and
+    classes: ``torch.nn.utils.parametrize`` makes a class per module, so registering or removing
+    a parametrization on the copy changes that class for the original too. Closures of hooks and
+    of forward methods still refer to whatever they captured. A class whose ``__new__`` needs
+    arguments cannot be copied (TypeError).
+    """
+    memo: dict[int, nn.Module] = {}
+
+    def copy_module(module: nn.Module) -> nn.Module:
+        if id(module) in memo:
+            return memo[id(module)]
+        # cls.__new__, not copy.copy: a class's own copy or pickle protocol (GraphModule
+        # rebuilds itself, parametrized modules refuse) is not a structural copy.
+        new = type(module).__new__(type(module))
+        memo[id(module)] = new
+        state = dict(module.__dict__)
+        state.pop("_compiled_call_impl", None)
+        containers = MODULE_CONTAINERS + tuple(
+            name for cls, names in _CLASS_CONTAINERS if isinstance(module, cls) for name in names)
+        for name in containers:
+            if name in state:
+                state[name] = copy.copy(state[name])
+        state["_modules"] = {name: None if child is None else copy_module(child)
+                             for name, child in module._modules.items()}
+        new.__dict__.update(state)
+        if isinstance(module, fx.GraphModule):
+            new.graph = copy.deepcopy(module.graph)  # owned by the copy, which it recompiles
+        return new
+
+    return copy_module(model)

@@ -1,0 +1,232 @@
+"""fxopt.core.modules: structural_copy (new modules, the user's tensors, nothing shared to mutate)
+and has_hooks (every hook that runs when a module is called, none that does not)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from fxopt.capture.trace import trace
+from fxopt.core.modules import (HOOK_DICTS, MODULE_CONTAINERS, call_hooks, copy_hooks,
+                                has_hooks, structural_copy)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.register_buffer("scale", torch.ones(1))
+        self.register_buffer("scratch", torch.zeros(1), persistent=False)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x))) * self.scale
+
+
+class SharedPaths(nn.Module):
+    """One module object at two paths (monai's DynUNet keeps its heads this way), and tied weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.alias = self.block
+        self.head = nn.Linear(4, 4)
+        self.tail = nn.Linear(4, 4)
+        self.tail.weight = self.head.weight
+
+    def forward(self, x):
+        h = self.block(x) + self.alias(x)
+        return self.tail(self.head(h.mean((2, 3))))
+
+
+def _hook_state(module: nn.Module) -> dict:
+    return {name: dict(getattr(module, name)) for name in HOOK_DICTS}
+
+
+def test_module_containers_cover_every_container_of_torch_2_14():
+    assert set(MODULE_CONTAINERS) >= {
+        "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules",
+        "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+        "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+        "_backward_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"}
+    assert len(HOOK_DICTS) >= 11
+
+
+def test_copy_is_new_modules_of_the_same_class_over_the_same_tensors():
+    model = SharedPaths()
+    copy = structural_copy(model)
+    originals, copies = dict(model.named_modules()), dict(copy.named_modules())
+    assert list(originals) == list(copies)
+    for path, module in originals.items():
+        assert copies[path] is not module and type(copies[path]) is type(module)
+    assert [id(p) for p in copy.parameters()] == [id(p) for p in model.parameters()]
+    assert all(a is b for a, b in zip(copy.buffers(), model.buffers()))
+    assert list(copy.state_dict()) == list(model.state_dict())
+    assert copy.block._non_persistent_buffers_set == {"scratch"}
+
+
+def test_shared_module_stays_shared_once_and_tied_weights_stay_tied():
+    model = SharedPaths()
+    copy = structural_copy(model)
+    assert copy.alias is copy.block and copy.block is not model.block
+    assert copy.tail.weight is copy.head.weight is model.head.weight
+    assert len(list(copy.modules())) == len(list(model.modules()))
+
+
+def test_training_flags_are_copied_per_module():
+    model = SharedPaths()
+    model.block.bn.eval()
+    copy = structural_copy(model)
+    assert [m.training for m in copy.modules()] == [m.training for m in model.modules()]
+    copy.eval()
+    assert model.training and model.head.training
+
+
+@pytest.mark.parametrize("register", [
+    lambda m: m.register_forward_pre_hook(lambda mod, args: None),
+    lambda m: m.register_forward_pre_hook(lambda mod, args, kwargs: None, with_kwargs=True),
+    lambda m: m.register_forward_hook(lambda mod, args, out: None, always_call=True),
+    lambda m: m.register_forward_hook(lambda mod, args, kwargs, out: None, with_kwargs=True),
+    lambda m: m.register_full_backward_pre_hook(lambda mod, grad_out: None),
+    lambda m: m.register_full_backward_hook(lambda mod, grad_in, grad_out: None),
+    lambda m: m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: None),
+    lambda m: m._register_state_dict_hook(lambda mod, sd, prefix, meta: None),
+    lambda m: m.register_load_state_dict_pre_hook(lambda mod, *args: None),
+    lambda m: m.register_load_state_dict_post_hook(lambda mod, keys: None),
+], ids=["forward_pre", "forward_pre_kwargs", "forward_always", "forward_kwargs",
+        "backward_pre", "backward", "state_dict_pre", "state_dict", "load_pre", "load_post"])
+def test_hook_registered_on_the_copy_stays_on_the_copy(register):
+    model = SharedPaths()
+    before = {path: _hook_state(m) for path, m in model.named_modules()}
+    copy = structural_copy(model)
+    for module in copy.modules():
+        register(module)
+    assert {path: _hook_state(m) for path, m in model.named_modules()} == before
+
+
+def test_submodules_parameters_and_buffers_changed_on_the_copy_stay_on_the_copy():
+    model = SharedPaths()
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+    copy = structural_copy(model)
+    copy.extra = nn.Linear(1, 1)
+    copy.block.bn = nn.Identity()
+    copy.block.scale = torch.zeros(1)
+    copy.block.register_buffer("scratch", torch.ones(2), persistent=True)
+    copy.head.bias = nn.Parameter(torch.zeros(4))
+    del copy.tail.bias
+    assert model.state_dict(keep_vars=True).keys() == state.keys()
+    assert all(v is state[k] for k, v in model.state_dict(keep_vars=True).items())
+    assert isinstance(model.block.bn, nn.BatchNorm2d) and not hasattr(model, "extra")
+    assert model.block._non_persistent_buffers_set == {"scratch"}
+
+
+def test_hooks_on_the_original_fire_on_the_copy_and_its_handles_reach_only_the_original():
+    model, calls = nn.Sequential(nn.Linear(2, 2)), []
+    handle = model[0].register_forward_hook(
+        lambda mod, args, kwargs, out: calls.append(mod), with_kwargs=True)
+    model[0].register_full_backward_pre_hook(lambda mod, grad_out: calls.append("backward"))
+    copy = structural_copy(model)
+    copy(torch.randn(1, 2)).sum().backward()
+    assert calls == [copy[0], "backward"]
+    handle.remove()
+    calls.clear()
+    # Sharing _forward_hooks_with_kwargs (as fxopt once did) would now call the copied hook
+    # without its kwargs argument: a TypeError.
+    copy(torch.randn(1, 2))
+    model(torch.randn(1, 2))
+    assert calls == [copy[0]]
+
+
+def test_copy_traces_to_the_same_graph_and_computes_the_same():
+    torch.manual_seed(0)
+    model, x = SharedPaths().eval(), torch.randn(2, 3, 5, 5)
+    copy = structural_copy(model)
+    assert fx.symbolic_trace(copy).code == fx.symbolic_trace(model).code
+    assert torch.equal(copy(x), model(x))
+    gm, gm_copy = trace(model, (x,)), trace(copy, (x,))
+    assert gm.code == gm_copy.code and list(gm.state_dict()) == list(gm_copy.state_dict())
+
+
+def test_graph_module_copy_has_its_own_graph_and_forward():
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    gm.meta["note"] = 1
+    code, x = gm.code, torch.randn(3, 2)
+    expected = gm(x)
+    copy = structural_copy(gm)
+    assert isinstance(copy, fx.GraphModule) and copy.graph is not gm.graph
+    assert copy.get_submodule("0").weight is gm.get_submodule("0").weight
+    assert torch.equal(copy(x), expected)
+    for node in copy.graph.nodes:
+        if node.op == "call_module" and node.target == "1":
+            node.replace_all_uses_with(node.args[0])
+            copy.graph.erase_node(node)
+    copy.recompile()
+    copy.meta["note"] = 2
+    assert gm.code == code and torch.equal(gm(x), expected) and gm.meta["note"] == 1
+    assert "relu" not in copy.code and gm.graph.owning_module is gm
+
+
+def test_rnn_weight_replaced_on_the_copy_stays_on_the_copy():
+    lstm = nn.LSTM(3, 4)
+    copy = structural_copy(lstm)
+    copy.weight_ih_l0 = nn.Parameter(torch.zeros_like(lstm.weight_ih_l0))
+    assert lstm._flat_weights[0] is lstm.weight_ih_l0
+    assert copy._flat_weights[0] is copy.weight_ih_l0
+
+
+def test_parametrized_and_compiled_modules_are_copied():
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(3, 3)))
+    model.compile()
+    copy = structural_copy(model)
+    assert "_compiled_call_impl" not in vars(copy)  # the copy runs eagerly
+    x = torch.randn(2, 3)
+    assert torch.equal(copy[0](x), model[0](x))
+    assert list(copy.parameters()) == list(model.parameters())
+
+
+# ---------------------------------------------------------------- has_hooks
+
+
+@pytest.mark.parametrize("register, kind", [
+    (lambda m: m.register_forward_pre_hook(lambda mod, args: None), "forward pre-hooks"),
+    (lambda m: m.register_forward_pre_hook(lambda mod, a, k: None, with_kwargs=True),
+     "forward pre-hooks"),
+    (lambda m: m.register_forward_hook(lambda mod, args, out: None), "forward hooks"),
+    (lambda m: m.register_forward_hook(lambda mod, a, o: None, always_call=True),
+     "forward hooks"),
+    (lambda m: m.register_full_backward_pre_hook(lambda mod, g: None), "backward pre-hooks"),
+    (lambda m: m.register_full_backward_hook(lambda mod, gi, go: None), "backward hooks"),
+    (lambda m: m.register_backward_hook(lambda mod, gi, go: None), "backward hooks"),
+])
+def test_has_hooks_sees_every_hook_that_runs_on_a_call(register, kind):
+    module = nn.ReLU()
+    assert not has_hooks(module)
+    handle = register(module)
+    assert has_hooks(module) and call_hooks(module) == [kind]
+    handle.remove()
+    assert not has_hooks(module)
+
+
+def test_has_hooks_ignores_state_dict_hooks_submodules_and_process_wide_hooks():
+    model = nn.Sequential(nn.ReLU())
+    model.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: None)
+    model.register_load_state_dict_post_hook(lambda mod, keys: None)
+    model[0].register_forward_hook(lambda mod, args, out: None)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)
+    try:
+        assert not has_hooks(model) and has_hooks(model[0])
+    finally:
+        handle.remove()
+
+
+def test_copy_hooks_copies_every_hook_dict():
+    source, target = nn.ReLU(), nn.ReLU()
+    source.register_full_backward_hook(lambda mod, gi, go: None)
+    source.register_forward_hook(lambda mod, a, k, o: None, with_kwargs=True)
+    source.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: None)
+    copy_hooks(source, target)
+    assert _hook_state(target) == _hook_state(source)
+    assert target._is_full_backward_hook is True
+    target.register_forward_pre_hook(lambda mod, args: None)
+    assert not source._forward_pre_hooks
