@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.utils._pytree import tree_map_only
+from fxopt.core.torch_private import tree_map_only
 
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.capture.meta import placeholder_values, refresh_meta

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from fxopt.core.torch_private import tree_leaves
 
 from fxopt.core.errors import InputError
 from fxopt.core.step import as_args

@@ -150,3 +150,27 @@ def structural_copy(model: nn.Module) -> nn.Module:
         return new
 
     return copy_module(model)
+
+
+def own_tensors(module: nn.Module) -> tuple[dict, dict]:
+    """Copies of ``module``'s own (not its children's) name -> Parameter and name -> buffer
+    slots, None entries included, for ``restore_own_tensors``."""
+    return dict(module._parameters), dict(module._buffers)
+
+
+def restore_own_tensors(module: nn.Module, held: tuple[dict, dict]) -> None:
+    """Put back the objects ``own_tensors`` saw in ``module``'s slots (a swapped-in tensor is
+    replaced by the original object; slots added since are left)."""
+    module._parameters.update(held[0])
+    module._buffers.update(held[1])
+
+
+def own_children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """``module``'s direct submodule slots in registration order, None entries included
+    (``named_children`` skips those)."""
+    return dict(module._modules)
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """Names of ``module``'s own buffers that ``state_dict()`` leaves out."""
+    return set(module._non_persistent_buffers_set)

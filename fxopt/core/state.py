@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from fxopt.core.modules import own_tensors, restore_own_tensors
+
 
 def _unique_tensors(modules: tuple[nn.Module, ...], kind: str) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
@@ -42,15 +44,13 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
     grads = [p.grad for p in params]
     buffer_values = [b.detach().clone() for b in buffers]
     flags = [(m, m.training) for module in modules for m in module.modules()]
-    held = [(m, dict(m._parameters), dict(m._buffers))
-            for module in modules for m in module.modules()]
+    held = [(m, own_tensors(m)) for module in modules for m in module.modules()]
     try:
         with preserved_rng():
             yield
     finally:
-        for m, parameters, buffers_held in held:
-            m._parameters.update(parameters)
-            m._buffers.update(buffers_held)
+        for m, tensors in held:
+            restore_own_tensors(m, tensors)
         with torch.no_grad():
             for p, g in zip(params, grads):
                 p.grad = g

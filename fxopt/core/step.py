@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from fxopt.core.torch_private import tree_flatten
 
 COTANGENT_SEED = 1234
 

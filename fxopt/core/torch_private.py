@@ -90,13 +90,18 @@ def storage_id(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
 
+def keeps_rnn_weight_cache(module: nn.Module) -> bool:
+    """Whether ``module`` caches a flat list of its weights (nn.RNN, LSTM, GRU) that must be
+    rebuilt whenever its parameters are replaced."""
+    return callable(getattr(module, "_init_flat_weights", None))
+
+
 def rebuild_rnn_weights(module: nn.Module) -> bool:
     """Make an RNN rebuild its cached flat weight list after its parameters were swapped;
     False for modules that keep no such cache."""
-    rebuild = getattr(module, "_init_flat_weights", None)
-    if not callable(rebuild):
+    if not keeps_rnn_weight_cache(module):
         return False
-    rebuild()
+    module._init_flat_weights()
     return True
 
 

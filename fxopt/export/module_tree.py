@@ -30,11 +30,11 @@ import torch
 from torch import fx, nn
 
 from fxopt.core.errors import ExportError
+from fxopt.core.modules import HOOK_DICTS, non_persistent_buffers, own_children, own_tensors
+from fxopt.core.torch_private import RNN_WEIGHT_CACHES, keeps_rnn_weight_cache
 from fxopt.export.names import Imports
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
-_HOOKS = sorted(name for name in _MODULE_INTERNALS if "hook" in name)
-_RNN_CACHE = frozenset({"_flat_weights", "_flat_weight_refs"})
 
 
 def called_modules(gm: fx.GraphModule, graphs: list[fx.Graph]) -> set[int]:
@@ -110,19 +110,20 @@ class TreeWriter:
         self.names[id(module)] = var
         self.lines.append(f"{var}.training = {module.training!r}")
         own: dict[int, str] = {}
-        for name, param in module._parameters.items():
+        parameters, buffers = own_tensors(module)
+        for name, param in parameters.items():
             expr = self._tensor(param, f"{where}.{name}", parameter=True)
             self.lines.append(f"{var}.register_parameter({name!r}, {expr})")
             if param is not None:
                 own.setdefault(id(param), f"getattr({var}, {name!r})")
-        for name, buffer in module._buffers.items():
+        for name, buffer in buffers.items():
             expr = self._tensor(buffer, f"{where}.{name}", parameter=False)
-            persistent = name not in module._non_persistent_buffers_set
+            persistent = name not in non_persistent_buffers(module)
             self.lines.append(f"{var}.register_buffer({name!r}, {expr}, "
                               f"persistent={persistent!r})")
             if buffer is not None:
                 own.setdefault(id(buffer), f"getattr({var}, {name!r})")
-        for name, child in module._modules.items():
+        for name, child in own_children(module).items():
             if child is not None and id(child) not in self.names:
                 self.module(child, f"{path}.{name}" if path else name, f"m{next(self._count)}")
             child_var = "None" if child is None else self.names[id(child)]
@@ -150,14 +151,14 @@ class TreeWriter:
 
     def _attributes(self, module: nn.Module, path: str, var: str, where: str,
                     own: dict[int, str]) -> None:
-        hooks = [name for name in _HOOKS if getattr(module, name, None)]
+        hooks = [name for name in HOOK_DICTS if getattr(module, name, None)]
         if hooks:
             raise ExportError(f"cannot export: {where} has hooks ({', '.join(hooks)})",
                               where=where,
                               hint="remove the hooks (e.g. torch.nn.utils.remove_weight_norm) "
                                    "before optimizing, or use the optimized module from Python")
-        rnn = callable(getattr(module, "_init_flat_weights", None))
-        skipped = _MODULE_INTERNALS | (_RNN_CACHE if rnn else frozenset())
+        rnn = keeps_rnn_weight_cache(module)
+        skipped = _MODULE_INTERNALS | (RNN_WEIGHT_CACHES if rnn else frozenset())
         known = {**self.names, **own}
         counter = itertools.count()
         items = []

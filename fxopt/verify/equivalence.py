@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
+from fxopt.core.torch_private import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
 from fxopt.core.errors import EquivalenceError, FxoptError, InputError
 from fxopt.core.inputs import refuse_meta_tensors

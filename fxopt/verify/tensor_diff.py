@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_structure
+from fxopt.core.torch_private import TreeSpec, keystr, tree_flatten_with_path, tree_structure
 
 from fxopt.core.errors import ConfigError
 
