@@ -46,11 +46,12 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from fxopt.api import optimize
 from fxopt.core.errors import ConfigError, EquivalenceError
 from fxopt.core.step import as_args
+from fxopt.core.tensors import tensors_in
 from fxopt.verify.equivalence import verify
 
 SCHEMA = "fxopt.check/1"
@@ -180,7 +181,7 @@ def check_equivalence(
     args = as_args(example_inputs)
     gm = optimize(model, args, passes=passes, memory_budget=memory_budget, verify=False,
                   leaf_modules=leaf_modules)
-    first = next((t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.dim()), None)
+    first = next((t for t in tensors_in(args) if t.dim()), None)
     example_batch = int(first.shape[0]) if first is not None else None
     plan = [(example_batch, seeds[0], "example")]
     plan += [(b, s, "random") for b in (batch_sizes or [example_batch]) for s in seeds]

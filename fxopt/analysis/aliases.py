@@ -18,12 +18,11 @@ between meta of different fake runs (refresh meta after a rewrite).
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_leaves
+
+from fxopt.core.tensors import storage_key, tensors_in
 
 _VIEW_METHODS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "flatten",
@@ -38,16 +37,6 @@ _VIEW_FUNCTIONS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.itruediv,
 })
 _VIEW_MODULES = (torch.nn.Flatten, torch.nn.Identity, torch.nn.Unflatten)
-
-
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors inside a pytree value (a tensor, tuple, list, dict, ...)."""
-    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-
-
-def storage_key(t: torch.Tensor) -> StorageWeakRef:
-    """Hashable identity of ``t``'s storage; views and in-place results share it."""
-    return StorageWeakRef(t.untyped_storage())
 
 
 def _table_alias_source(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
@@ -100,7 +89,7 @@ def alias_classes(gm: fx.GraphModule, *, either_mode: bool = False) -> dict[fx.N
     it, since the optimized module runs in eval mode too; memory accounting (train) does not.
     """
     groups = _UnionFind()
-    owner: dict[StorageWeakRef, fx.Node] = {}
+    owner: dict[int, fx.Node] = {}
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     for node in nodes:
         groups.find(node)

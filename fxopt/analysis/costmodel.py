@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
-from torch.utils._pytree import tree_leaves
 
 from fxopt.capture.meta import placeholder_values, propagate_meta
 from fxopt.analysis.node_timing import forward_seconds
+from fxopt.core.tensors import graph_device, tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -71,11 +71,6 @@ def device_rates(device: str = "cpu") -> tuple[float, float]:
     return flops, bandwidth
 
 
-def _tensor_bytes(values: object) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(values)
-               if isinstance(t, torch.Tensor))
-
-
 def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, NodeCost]:
     """Forward cost of every call node (placeholders, get_attr and output cost nothing).
 
@@ -91,24 +86,16 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
         flops[node] = counter.get_total_flops()
 
     propagate_meta(gm, placeholder_values(gm), around_node=count)
-    device = _graph_device(gm)
+    device = "cuda" if graph_device(gm).type == "cuda" else "cpu"
     flop_rate, byte_rate = device_rates(device)
     measured = forward_seconds(gm) if profile else {}
     costs = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        moved = _tensor_bytes([a.meta.get("val") for a in node.all_input_nodes]) + _tensor_bytes(
+        moved = tensor_bytes([a.meta.get("val") for a in node.all_input_nodes]) + tensor_bytes(
             node.meta.get("val"))
         f = flops.get(node, 0)
         roofline = max(f / flop_rate, moved / byte_rate)
         costs[node] = NodeCost(f, moved, measured.get(node, roofline))
     return costs
-
-
-def _graph_device(gm: fx.GraphModule) -> str:
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return "cuda" if val.device.type == "cuda" else "cpu"
-    return "cpu"

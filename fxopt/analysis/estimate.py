@@ -15,9 +15,11 @@ what the step allocates. The real BatchNorm statistics, ``.grad``, training flag
 left untouched.
 
 Not handled: memory that kernels allocate internally without returning it as a tensor (invisible
-to the dispatcher on CPU and on fakes alike), allocator rounding and caching on CUDA, and leaf
-modules that cannot run on fake tensors: those (``meta["fxopt_meta_source"] == "real"``) count
-only their outputs and their inputs' and parameters' grads.
+to the dispatcher on CPU and on fakes alike), the CUDA allocator's caching and its rounding of
+the baseline (counted as ``fxopt.core.tensors.storage_bytes``; what the step allocates is
+rounded, see ``fxopt.analysis.memtrack``), and leaf modules that cannot run on fake tensors:
+those (``meta["fxopt_meta_source"] == "real"``) count only their outputs and their inputs' and
+parameters' grads.
 
 ``max_batch_size(model, example_inputs, budget_bytes)`` fits ``peak = a + b * batch`` from two
 estimates, then confirms the answer with estimates at it and one above (bisecting if the fit is
@@ -34,11 +36,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxopt.analysis.aliases import storage_key, tensors_in
 from fxopt.core.errors import BudgetError, InputError
 from fxopt.capture.fake_run import on_fake_tensors, opaque_leaves_stood_in, training_flags
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.core.step import as_args, training_step
+from fxopt.core.tensors import storage_bytes, tensors_in
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,6 @@ class PeakEstimate:
     baseline_bytes: int          # parameters + buffers + inputs, alive throughout
     train_peak_op: str           # the op whose result made the training peak
     inference_peak_op: str
-
-
-def _baseline_bytes(state: dict[str, torch.Tensor], inputs: tuple) -> int:
-    storages = {storage_key(t): t.untyped_storage().nbytes()
-                for t in [*state.values(), *tensors_in(inputs)]}
-    return sum(storages.values())
 
 
 def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], None]
@@ -75,7 +71,7 @@ def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, 
                 where=f"estimate_peak({type(module).__name__}), {step.__name__.strip('_')} step",
                 hint="trace the model with fxopt.trace() first: parts that read tensor values "
                      "become leaf modules, which the estimate stands in for") from error
-        baseline = _baseline_bytes(run.state, run.inputs)
+        baseline = storage_bytes((list(run.state.values()), run.inputs))
         return baseline + tracker.peak_bytes, baseline, tracker.peak_op
 
 

@@ -17,9 +17,10 @@ tracker): a fake storage has the size a real one would have, which is how ``fxop
 predicts the peak of a model without running it.
 
 On CUDA (real or fake tensors on a CUDA device) a storage counts as the block the caching
-allocator hands out for it: its size rounded up to a multiple of 512 bytes, as
-``torch.cuda.max_memory_allocated`` counts it with the allocator's default settings; so a
-prediction made on a machine without a GPU, on fake CUDA tensors, is in the allocator's units.
+allocator hands out for it (``fxopt.core.tensors.allocated_bytes``: its size rounded up to a
+multiple of 512 bytes, as ``torch.cuda.max_memory_allocated`` counts it with the allocator's
+default settings); so a prediction made on a machine without a GPU, on fake CUDA tensors, is in
+the allocator's units.
 Workspaces that cuBLAS/cuDNN allocate outside tensors are not seen.
 
 Storages that existed before the tracker started (parameters, buffers, inputs) are not counted,
@@ -35,21 +36,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-
-CUDA_BLOCK_BYTES = 512
-
-
-def allocated_bytes(t: torch.Tensor) -> int:
-    """Bytes the allocator hands out for ``t``'s storage: CUDA rounds up to 512-byte blocks.
-
-    The tensor's device decides (a fake tensor's storage is on ``meta`` whatever it stands for).
-    """
-    nbytes = t.untyped_storage().nbytes()
-    if t.device.type == "cuda":
-        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
-    return nbytes
+from fxopt.core.tensors import allocated_bytes, storage_key, tensors_in
 
 
 @dataclass
@@ -75,21 +63,14 @@ class LiveStorageTracker(TorchDispatchMode):
         self._at_peak: frozenset[int] = frozenset()
         self._known: set[int] = set()
 
-    @staticmethod
-    def _key(storage: torch.UntypedStorage) -> int:
-        return storage._cdata
-
     def ignore(self, tensors: Any) -> None:
         """Treat these tensors' storages as pre-existing (never counted)."""
-        for t in tree_leaves(tensors):
-            if isinstance(t, torch.Tensor):
-                self._known.add(self._key(t.untyped_storage()))
+        self._known.update(storage_key(t) for t in tensors_in(tensors))
 
     def track_existing(self, tensors: Any) -> None:
         """Count these tensors' storages as live from now on (a baseline inside the figures)."""
-        for t in tree_leaves(tensors):
-            if isinstance(t, torch.Tensor):
-                self._add(t, "existing")
+        for t in tensors_in(tensors):
+            self._add(t, "existing")
 
     def _collect_freed(self) -> None:
         for key in [k for k, live in self._live.items() if live.ref.expired()]:
@@ -97,8 +78,7 @@ class LiveStorageTracker(TorchDispatchMode):
             self._known.discard(key)
 
     def _add(self, t: torch.Tensor, op: str) -> None:
-        storage = t.untyped_storage()
-        key = self._key(storage)
+        key = storage_key(t)
         if key in self._known and key not in self._live:
             return
         if key in self._live:
@@ -106,7 +86,7 @@ class LiveStorageTracker(TorchDispatchMode):
                 return
             self.current_bytes -= self._live.pop(key).nbytes  # address reused after a free
         nbytes = allocated_bytes(t)
-        self._live[key] = _Live(StorageWeakRef(storage), nbytes)
+        self._live[key] = _Live(StorageWeakRef(t.untyped_storage()), nbytes)
         self.current_bytes += nbytes
         if self.current_bytes > self.peak_bytes:  # an upper bound until collected: make it exact
             self._collect_freed()
@@ -121,10 +101,9 @@ class LiveStorageTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         # An output sharing an input's storage (a view, an in-place result) allocated nothing.
-        reused = {self._key(t.untyped_storage()) for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and self._key(t.untyped_storage()) not in reused:
+        reused = {storage_key(t) for t in tensors_in((args, kwargs))}
+        for t in tensors_in(out):
+            if storage_key(t) not in reused:
                 self._add(t, name)
         if self.record_timeline:
             self._collect_freed()
@@ -134,12 +113,11 @@ class LiveStorageTracker(TorchDispatchMode):
     def bytes_at_peak(self, tensors: Any) -> int:
         """Of the storages live at the peak, the bytes of those belonging to ``tensors``."""
         seen, total = set(), 0
-        for t in tree_leaves(tensors):
-            if isinstance(t, torch.Tensor):
-                key = self._key(t.untyped_storage())
-                if key in self._at_peak and key not in seen:
-                    seen.add(key)
-                    total += self._live[key].nbytes if key in self._live else allocated_bytes(t)
+        for t in tensors_in(tensors):
+            key = storage_key(t)
+            if key in self._at_peak and key not in seen:
+                seen.add(key)
+                total += self._live[key].nbytes if key in self._live else allocated_bytes(t)
         return total
 
     def __exit__(self, *exc: Any) -> Any:

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from fxopt.capture.fake_run import training_flags
 from fxopt.capture.meta import placeholder_values
 from fxopt.core.state import preserved_state
+from fxopt.core.tensors import graph_device, tensors_in
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -44,7 +45,7 @@ class _TimedInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, seconds: dict[fx.Node, float]):
         super().__init__(gm)
         self.seconds = seconds
-        self.cuda = any(t.is_cuda for t in [*gm.parameters(), *gm.buffers()])
+        self.cuda = graph_device(gm).type == "cuda"
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in _CALLS:
@@ -63,7 +64,7 @@ class _TimedInterpreter(fx.Interpreter):
 def forward_seconds(gm: fx.GraphModule, *, runs: int = 2) -> dict[fx.Node, float]:
     """call node -> seconds of its fastest forward run; ``{}`` if the graph cannot be run."""
     values = placeholder_values(gm)
-    tensors = [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+    tensors = tensors_in(values)
     state = [*gm.parameters(), *gm.buffers()]
     if any(t.device.type == "meta" for t in [*state, *tensors]):
         return {}

@@ -32,11 +32,10 @@ from typing import Any
 import torch
 from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map_only
 
-from fxopt.analysis.aliases import storage_key, tensors_in
 from fxopt.core.errors import TraceError
+from fxopt.core.tensors import storage_bytes, storage_key, tensors_in
 from fxopt.capture.fake_run import FakeRun, fake_copy, on_fake_tensors, training_flags
 
 CALL_OPS = ("call_function", "call_method", "call_module")
@@ -64,11 +63,11 @@ class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, run: FakeRun):
         super().__init__(gm)
         self.mode = run.mode
-        self.param_names: dict[StorageWeakRef, list[str]] = {}
+        self.param_names: dict[int, list[str]] = {}
         for name, t in run.state.items():
             self.param_names.setdefault(storage_key(t), []).append(name)
-        self.owner: dict[StorageWeakRef, fx.Node] = {}
-        self.storages: dict[fx.Node, set[StorageWeakRef]] = {}
+        self.owner: dict[int, fx.Node] = {}
+        self.storages: dict[fx.Node, set[int]] = {}
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.kept: list[Any] = []  # keeps storages alive so their identities are never reused
         self.infos: dict[fx.Node, SavedInfo] = {}
@@ -107,7 +106,7 @@ class _Recorder(fx.Interpreter):
     def _resolve(self, n: fx.Node, packed: list[torch.Tensor]) -> SavedInfo:
         values: set[fx.Node] = set()
         params: set[str] = set()
-        internal: dict[StorageWeakRef, int] = {}
+        internal: list[torch.Tensor] = []
         for t in packed:
             key = storage_key(t)
             candidates = [n, *n.all_input_nodes]
@@ -118,9 +117,9 @@ class _Recorder(fx.Interpreter):
             if key in self.param_names:
                 params.update(self.param_names[key])
             elif node is None:
-                internal[key] = t.untyped_storage().nbytes()
+                internal.append(t)
         return SavedInfo(tuple(sorted(values, key=self.order.__getitem__)),
-                         tuple(sorted(params)), sum(internal.values()))
+                         tuple(sorted(params)), storage_bytes(internal))
 
     def _stand_in(self, n: fx.Node, error: Exception) -> Any:
         """Fake outputs shaped like ``meta["val"]``, requiring grad when the node would."""
@@ -143,10 +142,9 @@ class _Recorder(fx.Interpreter):
         return tree_map_only(torch.Tensor, rebuild, n.meta["val"])
 
 
-def _tensor_bytes(node: Any) -> int:
-    if not isinstance(node, fx.Node):
-        return 0
-    return sum(t.untyped_storage().nbytes() for t in tensors_in(node.meta.get("val")))
+def _value_bytes(node: Any) -> int:
+    """``storage_bytes`` of a node's ``meta["val"]``; 0 for an argument that is no node."""
+    return storage_bytes(node.meta.get("val")) if isinstance(node, fx.Node) else 0
 
 
 def _table_info(gm: fx.GraphModule, n: fx.Node) -> SavedInfo:
@@ -165,14 +163,14 @@ def _table_info(gm: fx.GraphModule, n: fx.Node) -> SavedInfo:
         channels = getattr(module, "num_features", 0)
         return SavedInfo(inputs[:1], params, 2 * channels * 4, "table")
     if "dropout" in name:
-        return SavedInfo((), (), _tensor_bytes(first), "table")
+        return SavedInfo((), (), _value_bytes(first), "table")
     if "maxpool" in name or "max_pool" in name:
         val = n.meta.get("val")
         numel = val.numel() if isinstance(val, torch.Tensor) else 0
         return SavedInfo(inputs[:1], (), numel * 8, "table")
     if any(k in name for k in ("linear", "conv")):
         return SavedInfo(inputs[:1], params, 0, "table")
-    tensor_inputs = tuple(i for i in inputs if _tensor_bytes(i))
+    tensor_inputs = tuple(i for i in inputs if _value_bytes(i))
     return SavedInfo(tensor_inputs, params, 0, "table")
 
 

@@ -33,6 +33,7 @@ from fxopt.measure.peaks import format_bytes
 from fxopt.bench.peers import PEERS, build_peer
 from fxopt.core.state import preserved_state
 from fxopt.core.step import as_args, training_step
+from fxopt.core.tensors import module_device
 from fxopt.verify.equivalence import verify
 
 Progress = Callable[[int, int, str], None]
@@ -53,12 +54,6 @@ class BenchRow:
         return asdict(self)
 
 
-def _device(model: nn.Module, inputs: tuple) -> torch.device:
-    for t in [*model.parameters(), *[a for a in inputs if isinstance(a, torch.Tensor)]]:
-        return t.device
-    return torch.device("cpu")
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -72,7 +67,7 @@ def _step(module: nn.Module, inputs: tuple) -> None:
 
 def step_peak_bytes(module: nn.Module, inputs: tuple) -> int:
     """Allocator-level peak of one training step above what was allocated before it."""
-    device = _device(module, inputs)
+    device = module_device(module, inputs)
     with preserved_state(module):
         module.train()
         _step(module, inputs)  # warm-up: compiles, and builds lazily-created state
@@ -89,7 +84,7 @@ def timed_against(original: nn.Module, variant: nn.Module, inputs: tuple, repeat
     ``min_seconds`` in total: a millisecond step needs hundreds of samples to give a median that
     a noisy machine does not move.
     """
-    device = _device(original, inputs)
+    device = module_device(original, inputs)
     times: dict[int, list[float]] = {id(original): [], id(variant): []}
     with preserved_state(original, variant):
         original.train()

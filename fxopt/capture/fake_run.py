@@ -30,10 +30,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fxopt.core.state import preserved_rng
 from fxopt.core.step import as_args
+from fxopt.core.tensors import storage_bytes, tensors_in
 
 
 @dataclass
@@ -46,7 +47,13 @@ class FakeRun:
 
 
 def fake_copy(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
-    """A fake tensor of ``mode`` laid out like ``t`` (a real tensor, or a fake of any mode)."""
+    """A fake tensor of ``mode`` laid out like ``t``, with its ``requires_grad``.
+
+    A real tensor goes through ``mode.from_tensor``, which memoizes: the same tensor gives the
+    same fake, and views of one tensor give fakes sharing one storage. A fake (of this mode or
+    another) is rebuilt as a fresh tensor of the same shape, stride, dtype and device, so storage
+    shared between fakes is not carried over.
+    """
     if isinstance(t, FakeTensor):
         with mode:
             fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
@@ -148,7 +155,7 @@ def _mkldnn_rnn_workspace_bytes(func: Any, args: tuple, kwargs: dict) -> int:
         with _disable_current_modes():  # the kernel's workspace depends on the grad mode
             real_args, real_kwargs = tree_map_only(torch.Tensor, _real_zeros, (args, kwargs))
             workspace = func(*real_args, **real_kwargs)[3]
-            _WORKSPACE_BYTES[key] = 0 if workspace is None else workspace.untyped_storage().nbytes()
+            _WORKSPACE_BYTES[key] = storage_bytes(workspace)
     return _WORKSPACE_BYTES[key]
 
 
@@ -186,7 +193,7 @@ def _stand_in_forward(module: nn.Module, meta_val: Any) -> Any:
     templates = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = tensors_in((args, kwargs))
         inputs += [p for p in module.parameters() if p.requires_grad]
         differentiable = [t for t in inputs if t.requires_grad]
         outs = iter(_OpaqueLeaf.apply(templates, *differentiable))

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._pytree import tree_map_only
 
-from fxopt.capture.fake_run import reparametrized
+from fxopt.capture.fake_run import fake_copy, reparametrized
 from fxopt.core.state import preserved_rng
 
 
@@ -84,14 +84,6 @@ class _FakeInterpreter(fx.Interpreter):
         return result
 
 
-def _to_mode(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
-    if isinstance(t, FakeTensor):
-        with mode:
-            fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-        return fresh.requires_grad_(t.requires_grad)
-    return mode.from_tensor(t)
-
-
 def propagate_meta(gm: fx.GraphModule, example_inputs: tuple, *,
                    around_node: Callable[[fx.Node], contextlib.AbstractContextManager] | None = None
                    ) -> None:
@@ -101,7 +93,7 @@ def propagate_meta(gm: fx.GraphModule, example_inputs: tuple, *,
     execution (e.g. a FLOP counter).
     """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = tree_map_only(torch.Tensor, lambda a: _to_mode(a, mode), tuple(example_inputs))
+    fake_inputs = tree_map_only(torch.Tensor, lambda a: fake_copy(a, mode), tuple(example_inputs))
     real_state = dict(gm.named_parameters(remove_duplicate=False))
     real_state.update(gm.named_buffers(remove_duplicate=False))
     fake_state = {name: mode.from_tensor(t) for name, t in real_state.items()}

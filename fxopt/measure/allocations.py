@@ -41,15 +41,21 @@ def _quiet_stderr_fd() -> Iterator[None]:
         os.close(saved)
 
 
+def cuda_peak_during(run: Callable[[], object], device: torch.device) -> int:
+    """The CUDA caching allocator's peak on ``device`` while ``run()`` executes, above the bytes
+    allocated when it started (the peak statistics of ``device`` are reset)."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
 def peak_allocated_during(run: Callable[[], object], device: torch.device) -> int:
     """Peak bytes allocated on ``device`` above the starting level while ``run()`` executes."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
+        return cuda_peak_during(run, device)
     with _quiet_stderr_fd(), profile(activities=[ProfilerActivity.CPU],
                                      profile_memory=True) as prof:
         run()

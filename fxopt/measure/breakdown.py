@@ -20,15 +20,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
 
 from fxopt.analysis import saved_for_backward
 from fxopt.measure.advice import user_source_line
 from fxopt.measure.peaks import MemoryFigure, format_bytes, measure_train_step
 from fxopt.capture.meta import placeholder_values
 from fxopt.capture.trace import trace
+from fxopt.core.tensors import storage_bytes, tensors_in
 
 
 @dataclass(frozen=True)
@@ -92,13 +91,13 @@ def layer_of(gm: fx.GraphModule, node: fx.Node, *, detailed: bool = True) -> str
     return f"{node.name}: {line}" if line else node.name
 
 
-def _storage_bytes(value: Any) -> tuple[int, tuple[int, ...], str]:
-    tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+def _size_shape_dtype(value: Any) -> tuple[int, tuple[int, ...], str]:
+    """``storage_bytes`` of ``value``, and the shape and dtype of its first tensor."""
+    tensors = tensors_in(value)
     if not tensors:
         return 0, (), ""
-    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
     first = tensors[0]
-    return sum(storages.values()), tuple(first.shape), str(first.dtype).removeprefix("torch.")
+    return storage_bytes(tensors), tuple(first.shape), str(first.dtype).removeprefix("torch.")
 
 
 def saved_tensors(gm: fx.GraphModule) -> tuple[list[SavedTensor], int]:
@@ -114,7 +113,7 @@ def saved_tensors(gm: fx.GraphModule) -> tuple[list[SavedTensor], int]:
                                         layer_of(gm, node), (layer_of(gm, node, detailed=False),)))
     saved = []
     for value, users in kept.items():
-        nbytes, shape, dtype = _storage_bytes(value.meta.get("val"))
+        nbytes, shape, dtype = _size_shape_dtype(value.meta.get("val"))
         saved.append(SavedTensor(value.name, shape, dtype, nbytes, layer_of(gm, value),
                                  tuple(dict.fromkeys(users))))
     everything = sorted(saved + internal, key=lambda s: -s.nbytes)

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.core.state import preserved_state
 from fxopt.core.step import as_args, training_step
 from fxopt.core.inputs import refuse_meta_tensors
+from fxopt.core.tensors import module_device, storage_bytes
+from fxopt.measure.allocations import cuda_peak_during
 
 
 @dataclass(frozen=True)
@@ -64,23 +65,6 @@ def format_bytes(n: int) -> str:
     return f"{value:.1f} GiB"
 
 
-def _unique_bytes(tensors: Any, seen: set[int]) -> int:
-    total = 0
-    for t in tree_leaves(tensors):
-        if isinstance(t, torch.Tensor):
-            key = t.untyped_storage()._cdata
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-    return total
-
-
-def _device(module: nn.Module, inputs: tuple) -> torch.device:
-    for t in list(module.parameters()) + [a for a in inputs if isinstance(a, torch.Tensor)]:
-        return t.device
-    return torch.device("cpu")
-
-
 def _describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} {torch.cuda.get_device_name(device)}"
@@ -90,12 +74,13 @@ def _describe(device: torch.device) -> str:
 def _measure(module: nn.Module, example_inputs: Any, mode: str) -> MemoryFigure:
     inputs = as_args(example_inputs)
     refuse_meta_tensors("measure", module, inputs)
-    device = _device(module, inputs)
-    seen: set[int] = set()
-    params = _unique_bytes(list(module.parameters()), seen)
-    buffers = _unique_bytes(list(module.buffers()), seen)
-    input_bytes = _unique_bytes(inputs, seen)
-    baseline = params + buffers + input_bytes
+    device = module_device(module, inputs)
+    parameters, buffers = list(module.parameters()), list(module.buffers())
+    # A storage shared by several kinds counts once, for the first of parameters, buffers, inputs.
+    params_bytes = storage_bytes(parameters)
+    buffers_bytes = storage_bytes((parameters, buffers)) - params_bytes
+    baseline = storage_bytes((parameters, buffers, inputs))
+    input_bytes = baseline - params_bytes - buffers_bytes
     with preserved_state(module):
         for p in module.parameters():
             p.grad = None
@@ -112,12 +97,7 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str) -> MemoryFigure:
                     module(*inputs)
 
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            run()
-            torch.cuda.synchronize(device)
-            step_peak = torch.cuda.max_memory_allocated(device) - before
+            step_peak = cuda_peak_during(run, device)
             grads_at_peak, method = 0, "CUDA caching allocator"
         else:
             tracker = LiveStorageTracker()
@@ -129,8 +109,8 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str) -> MemoryFigure:
             method = "live-storage tracking (exact)"
     return MemoryFigure(
         mode=mode, device=_describe(device), method=method,
-        peak_bytes=baseline + step_peak, baseline_bytes=baseline, params_bytes=params,
-        buffers_bytes=buffers, inputs_bytes=input_bytes, grads_at_peak_bytes=grads_at_peak,
+        peak_bytes=baseline + step_peak, baseline_bytes=baseline, params_bytes=params_bytes,
+        buffers_bytes=buffers_bytes, inputs_bytes=input_bytes, grads_at_peak_bytes=grads_at_peak,
         activations_at_peak_bytes=step_peak - grads_at_peak,
     )
 

@@ -17,13 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.core.state import preserved_state
 from fxopt.core.step import as_args, backward_from
+from fxopt.core.tensors import storage_bytes
 
 
 @dataclass(frozen=True)
@@ -54,16 +53,10 @@ class Timeline:
                 "ops": list(self.ops), "live_bytes": list(self.live_bytes)}
 
 
-def _baseline_bytes(module: nn.Module, inputs: tuple) -> int:
-    tensors = [*module.parameters(), *module.buffers(),
-               *(t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))]
-    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
-
-
 def training_timeline(module: nn.Module, example_inputs: Any, *, label: str = "") -> Timeline:
     """Live bytes after every op of one training step of ``module`` (see the module docstring)."""
     inputs = as_args(example_inputs)
-    baseline = _baseline_bytes(module, inputs)
+    baseline = storage_bytes((list(module.parameters()), list(module.buffers()), inputs))
     tracker = LiveStorageTracker(record_timeline=True)
     with preserved_state(module):
         for p in module.parameters():

@@ -7,6 +7,7 @@ import re
 from torch import nn
 
 from fxopt.core.errors import ConfigError
+from fxopt.core.tensors import tensor_bytes
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -46,7 +47,7 @@ def parse_budget(budget: int | float | str) -> tuple[str, float]:
 
 def trainable_grad_bytes(module: nn.Module) -> int:
     """Bytes of the gradients a training step allocates for ``module``'s trainable parameters."""
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return tensor_bytes([p for p in module.parameters() if p.requires_grad])
 
 
 def activation_bytes(peak: int, baseline: int, grad_bytes: int) -> int:

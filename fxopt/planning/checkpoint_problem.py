@@ -12,8 +12,8 @@ from torch import fx
 
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.analysis.costmodel import node_costs
-from fxopt.analysis.memtrack import allocated_bytes
 from fxopt.capture.meta import placeholder_values
+from fxopt.core.tensors import allocated_bytes, tensor_bytes
 from fxopt.runtime.regions import call_region
 from fxopt.planning.solver import CheckpointProblem, NodeInfo
 from fxopt.analysis.writes import overwritten_inputs
@@ -35,14 +35,9 @@ def representatives(gm: fx.GraphModule) -> dict[fx.Node, fx.Node | None]:
     return rep
 
 
-def _storage_bytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    return allocated_bytes(val) if isinstance(val, torch.Tensor) else 0
-
-
 def _first_use_grad_bytes(gm: fx.GraphModule, forward: list[fx.Node]) -> dict[fx.Node, int]:
     """Bytes of trainable parameter gradients, charged to the first node that uses each."""
-    seen: set[int] = set()
+    seen: set[int] = set()  # parameter ids
     charged: dict[fx.Node, int] = {}
     for node in forward:
         params = []
@@ -53,7 +48,7 @@ def _first_use_grad_bytes(gm: fx.GraphModule, forward: list[fx.Node]) -> dict[fx
         for p in params:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                charged[node] = charged.get(node, 0) + p.numel() * p.element_size()
+                charged[node] = charged.get(node, 0) + tensor_bytes(p)
     return charged
 
 
@@ -110,8 +105,8 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True
     value_bytes: dict[str, int] = {}
     for node in forward:
         root = rep.get(node)
-        if root is not None and root is node and _storage_bytes(node):
-            value_bytes[node.name] = _storage_bytes(node)
+        if root is not None and root is node and allocated_bytes(node.meta.get("val")):
+            value_bytes[node.name] = allocated_bytes(node.meta.get("val"))
 
     def names(nodes) -> frozenset[str]:
         return frozenset(rep[n].name for n in nodes
