@@ -38,7 +38,8 @@ import torch
 import models_zoo
 from fxopt.analysis import estimate_peak
 from fxopt.api import optimize
-from fxopt.bench.runs import step_peak_bytes, timed_against
+from fxopt.bench.runs import step_peak_bytes
+from fxopt.measure.timing import timed_against
 from fxopt.planning.budget import activation_bytes, budget_fraction, trainable_grad_bytes
 from fxopt.core.errors import BudgetError
 from fxopt.measure.peaks import measure_train_step

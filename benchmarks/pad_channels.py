@@ -7,7 +7,7 @@ On CUDA: ``odd_channel_cnn`` (batch 256, 3x32x32; channels 30/60/100) and ``tran
 (batch 16, 256 tokens; dim 100, 5 heads, vocab 50257) in float16 and bfloat16. For each, the
 training step (forward + backward) of the traced original, of the default policy (keeps only the
 pads it measured faster) and of every pad forced, each timed alternately against the original
-(median of at least ``--repeats`` steps, ``fxopt.bench.timed_against``); ratio < 1 is faster.
+(median of at least ``--repeats`` steps, ``fxopt.measure.timing.timed_against``); ratio < 1 is faster.
 
 On CPU: the default policy leaves each model unpadded (the pass's reason is printed), and the
 forced padding's cost in float32 is timed the same way (smaller batches).
@@ -26,7 +26,7 @@ import torch
 
 import models_zoo
 from fxopt.api import optimize
-from fxopt.bench.runs import timed_against
+from fxopt.measure.timing import timed_against
 from fxopt.core.errors import FxoptError
 from fxopt.capture.trace import trace
 

@@ -20,7 +20,7 @@ import torch
 
 import models_zoo
 from fxopt.api import optimize
-from fxopt.bench.runs import timed_against
+from fxopt.measure.timing import timed_against
 from fxopt.core.errors import BudgetError
 from fxopt.measure.peaks import format_bytes, measure
 from fxopt.capture.trace import trace

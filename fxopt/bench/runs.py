@@ -17,7 +17,6 @@ statistics, training flags and the RNG are as before afterwards.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from fxopt.measure.allocations import peak_allocated_during
+from fxopt.measure.timing import fresh_training_step, timed_against
 from fxopt.api import optimize
 from fxopt.planning.budget import activation_bytes, budget_fraction, trainable_grad_bytes
 from fxopt.core.errors import FxoptError
@@ -54,54 +54,15 @@ class BenchRow:
         return asdict(self)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _step(module: nn.Module, inputs: tuple) -> None:
-    for p in module.parameters():
-        p.grad = None
-    training_step(module, inputs)
-
-
 def step_peak_bytes(module: nn.Module, inputs: tuple) -> int:
     """Allocator-level peak of one training step above what was allocated before it."""
     device = module_device(module, inputs)
     with preserved_state(module):
         module.train()
-        _step(module, inputs)  # warm-up: compiles, and builds lazily-created state
+        fresh_training_step(module, inputs)  # warm-up: compiles, and builds lazily-created state
         for p in module.parameters():
             p.grad = None
         return peak_allocated_during(lambda: training_step(module, inputs), device)
-
-
-def timed_against(original: nn.Module, variant: nn.Module, inputs: tuple, repeats: int, *,
-                  min_seconds: float = 1.0, max_repeats: int = 200) -> tuple[float, float]:
-    """(median step seconds of ``variant``, of ``original``), timed alternately after a warm-up.
-
-    At least ``repeats`` rounds, and more (up to ``max_repeats``) until each side has run for
-    ``min_seconds`` in total: a millisecond step needs hundreds of samples to give a median that
-    a noisy machine does not move.
-    """
-    device = module_device(original, inputs)
-    times: dict[int, list[float]] = {id(original): [], id(variant): []}
-    with preserved_state(original, variant):
-        original.train()
-        variant.train()
-        for module in (original, variant):
-            _step(module, inputs)
-        rounds = 0
-        while rounds < repeats or (rounds < max_repeats and min(
-                sum(t) for t in times.values()) < min_seconds):
-            for module in (original, variant) if rounds % 2 == 0 else (variant, original):
-                _sync(device)
-                start = time.perf_counter()
-                _step(module, inputs)
-                _sync(device)
-                times[id(module)].append(time.perf_counter() - start)
-            rounds += 1
-    return statistics.median(times[id(variant)]), statistics.median(times[id(original)])
 
 
 def _equivalence(model: nn.Module, variant: nn.Module, inputs: tuple) -> tuple[bool, str]:

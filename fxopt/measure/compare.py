@@ -8,7 +8,7 @@
 - the predicted peaks (``fxopt.analysis.estimate_peak``: a fake-tensor run, no compute), so a
   reader sees how far the prediction the passes planned with is from the measurement;
 - the median training-step time, timed alternately with the original after a warm-up
-  (``fxopt.bench.timed_against``), so both medians see the same stretch of machine noise.
+  (``fxopt.measure.timing.timed_against``), so both medians see the same stretch of machine noise.
 
 Everything runs under ``preserved_state``: grads, buffers, flags and the RNG are as before.
 """
@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from fxopt.analysis import estimate_peak
-from fxopt.bench.runs import timed_against
+from fxopt.measure.timing import timed_against
 from fxopt.measure.peaks import format_bytes, measure
 from fxopt.core.step import as_args
 

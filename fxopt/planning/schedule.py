@@ -30,6 +30,7 @@ from fxopt.analysis.randomness import draws_random_numbers
 from fxopt.analysis.writes import overwritten_inputs
 from fxopt.capture.meta import placeholder_values
 from fxopt.capture.trace import graph_module_like
+from fxopt.core.tensors import storage_bytes
 from fxopt.core.torch_private import copy_codegen
 
 _PURE_MODULES = (
@@ -76,10 +77,10 @@ def dependencies(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]]:
 
 
 def _nbytes(node: fx.Node) -> int:
+    """Bytes a tensor-valued node allocates (0 for tuples: their items are counted where they
+    are taken apart, which is where FX frees them)."""
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return val.untyped_storage().nbytes()
-    return 0
+    return storage_bytes(val) if isinstance(val, torch.Tensor) else 0
 
 
 def _schedule(nodes: list[fx.Node], deps: dict[fx.Node, set[fx.Node]],

@@ -1,0 +1,140 @@
+"""The architecture as a test: which package may import which.
+
+Layers, lowest first (README.md, "Architecture"). A module may import its own layer and any
+lower one, never a higher one; ``fxopt/runtime`` imports torch and the standard library only,
+because the exporter copies it next to generated code where fxopt is not installed.
+"""
+
+import ast
+import graphlib
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ["runtime", "core", "capture", "analysis", "planning", "rewrite", "passes", "verify",
+          "measure", "export", "api", "bench", "cli", "package"]
+API_MODULES = {"fxopt.api", "fxopt.check", "fxopt.testing"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of an fxopt or passes module; None for anything else (torch, stdlib, ...)."""
+    parts = module.split(".")
+    if parts[0] == "passes":
+        return "passes"
+    if parts[0] != "fxopt":
+        return None
+    if module in API_MODULES or any(module.startswith(m + ".") for m in API_MODULES):
+        return "api"
+    if len(parts) == 1:
+        return "package"
+    if parts[1] == "__main__":
+        return "cli"
+    return parts[1] if parts[1] in LAYERS else "package"
+
+
+def imported_modules(source: str, importer: str) -> set[str]:
+    """Every module an import statement anywhere in ``source`` names (function-local included);
+    ``from fxopt.x import y`` counts as ``fxopt.x.y`` when that is a module, else ``fxopt.x``."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = importer.split(".")[:-node.level] if node.level else []
+                base = ".".join([*package, base] if base else package)
+            names.add(base)
+    return names
+
+
+def layer_edges(files: dict[str, str]) -> dict[tuple[str, str], list[str]]:
+    """(importing layer, imported layer) -> the modules that import across that edge."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, source in files.items():
+        mine = layer_of(module)
+        for imported in imported_modules(source, module):
+            theirs = layer_of(imported)
+            if mine and theirs and theirs != mine:
+                edges.setdefault((mine, theirs), []).append(f"{module} imports {imported}")
+    return edges
+
+
+def upward_imports(edges: dict[tuple[str, str], list[str]]) -> list[str]:
+    """Every import from a lower layer into a higher one, and any cycle between layers."""
+    graph: dict[str, set[str]] = {}
+    for (importer, imported) in edges:
+        graph.setdefault(importer, set()).add(imported)
+    problems = []
+    try:
+        list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as error:
+        problems.append(f"layers import each other: {' -> '.join(error.args[1])}")
+    for (importer, imported), where in sorted(edges.items()):
+        if LAYERS.index(imported) > LAYERS.index(importer):
+            problems.append(f"{importer} (lower) imports {imported} (higher): {where[0]}")
+    return problems
+
+
+def project_files() -> dict[str, str]:
+    paths = [*ROOT.glob("fxopt/**/*.py"), *ROOT.glob("passes/**/*.py")]
+    return {module_name(p): p.read_text() for p in paths}
+
+
+def test_every_module_belongs_to_a_layer():
+    unplaced = [m for m in project_files() if layer_of(m) == "package" and m != "fxopt"]
+    assert not unplaced, f"modules outside every layer: {unplaced}"
+
+
+def test_layers_import_only_downwards():
+    edges = layer_edges(project_files())
+    assert edges, "found no imports between layers: the scan is broken"
+    assert upward_imports(edges) == []
+
+
+def test_the_derived_order_is_the_documented_one():
+    """Sorting the layers by their imports gives an order the README's list agrees with."""
+    edges = layer_edges(project_files())
+    graph: dict[str, set[str]] = {layer: set() for layer in LAYERS}
+    for importer, imported in edges:
+        graph[importer].add(imported)
+    derived = list(graphlib.TopologicalSorter(graph).static_order())
+    position = {layer: i for i, layer in enumerate(derived)}
+    for importer, imported in edges:
+        assert position[imported] < position[importer]
+    readme = (ROOT / "README.md").read_text()
+    documented = [line.split("`")[1].rstrip("/").split("/")[-1] for line in readme.splitlines()
+                  if line.startswith("| `fxopt/") or line.startswith("| `passes/")]
+    assert documented == [layer for layer in LAYERS if layer not in ("api", "package")], (
+        "README.md's architecture table lists the layers in another order")
+
+
+def test_the_check_catches_a_planted_upward_import():
+    files = project_files()
+    files["fxopt.core.planted"] = "from fxopt.planning.solver import plan_checkpoints\n"
+    files["fxopt.runtime.planted"] = "import passes\n"
+    problems = upward_imports(layer_edges(files))
+    assert any("core (lower) imports planning (higher)" in p for p in problems)
+    assert any("runtime (lower) imports passes (higher)" in p for p in problems)
+    files["fxopt.planning.ok"] = "from ..core import errors\n"
+    assert layer_edges({"fxopt.planning.ok": files["fxopt.planning.ok"]}) == {
+        ("planning", "core"): ["fxopt.planning.ok imports fxopt.core"]}
+
+
+RUNTIME = sorted((ROOT / "fxopt" / "runtime").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", RUNTIME, ids=[p.name for p in RUNTIME])
+def test_runtime_imports_torch_and_the_standard_library_only(path):
+    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    imported = imported_modules(path.read_text(), module_name(path))
+    assert {name.split(".")[0] for name in imported} <= allowed, imported
