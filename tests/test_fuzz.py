@@ -46,6 +46,16 @@ def examples(kind: str):
 OUTCOMES: Counter[str] = Counter()
 CHANGED_BY: Counter[str] = Counter()  # pass name -> examples where it changed the graph
 RAN_BY: Counter[str] = Counter()  # pass name -> examples where it ran to the end (no error)
+# the same two, per property: (property test, pass name) -> examples
+CHANGED_IN: Counter[tuple[str, str]] = Counter()
+RAN_IN: Counter[tuple[str, str]] = Counter()
+
+
+def current_property() -> str:
+    """The property test running now (pytest names it in PYTEST_CURRENT_TEST); read here so the
+    property bodies, whose source seeds hypothesis' derandomized examples, stay as they are."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "")
+    return current.split("::")[-1].split(" ")[0].split("[")[0]
 
 
 # Options that make a pass act on CPU float32 at all (pad_channels pads only where CUDA
@@ -99,6 +109,9 @@ def check_optimize(spec, pass_list, budget) -> str:
         outcome = "equal (rounding re-checked)" if report.rounding else "equal"
         CHANGED_BY.update(r.name for r in gm.fxopt_report.passes if r.modified)
         RAN_BY.update(r.name for r in gm.fxopt_report.passes)
+        prop = current_property()
+        CHANGED_IN.update((prop, r.name) for r in gm.fxopt_report.passes if r.modified)
+        RAN_IN.update((prop, r.name) for r in gm.fxopt_report.passes)
     snapshot.assert_unchanged()
     return outcome
 
@@ -131,30 +144,53 @@ def test_checkpointing_deep_networks_is_equal_or_a_budget_error(spec, pass_list,
     run_case(spec, pass_list, budget)
 
 
-# Least share of the examples a pass ran on (to the end, no error) where it changed the graph.
-# Measured in the ci profile (derandomized; ``-s`` prints the shares): checkpoint 28/52 = 54%,
-# inplace_activations 17/70 = 24%, pad_channels 26/43 = 60%, reorder 10/67 = 15%. A pass made a
-# no-op scores 0% (checkpoint then never raises BudgetError, so it runs on many more examples).
-MIN_CHANGED_SHARE = {"checkpoint": 0.30, "inplace_activations": 0.12, "pad_channels": 0.35,
-                     "reorder": 0.07}
-MIN_RUNS = 20  # fewer runs of a pass (dev profile, a -k selection): too few to judge a share
+ANY, DEEP = ("test_optimize_is_equal_or_a_budget_error",
+             "test_checkpointing_deep_networks_is_equal_or_a_budget_error")
+# Least share of the examples a pass ran on (to the end, without error) where it changed the
+# graph, in the ci profile (None: both properties together). About half of what was measured
+# (derandomized, 214 examples; -s prints the counts): inplace_activations 17/81 = 21%,
+# pad_channels 26/64 = 41%, reorder 10/75 = 13%, checkpoint 16/16 in the deep property -- and
+# 0/51 in the other, where a random small model's budget is infeasible or already met, so
+# checkpoint is judged on the deep networks only. A pass made a no-op scores 0 (checked by
+# replacing each in passes.REGISTRY with one returning PassResult(gm, False)).
+MIN_CHANGED_SHARE = {
+    (None, "inplace_activations"): 0.10,
+    (None, "pad_channels"): 0.20,
+    (None, "reorder"): 0.06,
+    (DEEP, "checkpoint"): 0.50,
+}
+
+
+def changed_and_ran(prop: str | None, name: str) -> tuple[int, int]:
+    if prop is None:
+        return CHANGED_BY[name], RAN_BY[name]
+    return CHANGED_IN[prop, name], RAN_IN[prop, name]
+
+
+def label(prop: str | None) -> str:
+    return {None: "all", ANY: "any", DEEP: "deep"}.get(prop, prop)
+
+
+def shares_text() -> str:
+    return ", ".join(f"{label(prop)}/{name}={CHANGED_IN[prop, name]}/{n}"
+                     for (prop, name), n in sorted(RAN_IN.items()))
 
 
 def test_every_pass_rewrites_a_share_of_the_examples(request):
-    """The property holds trivially for a pass that rewrites nothing: each must actually act."""
-    selected = {item.name for item in request.session.items}
-    if not {"test_optimize_is_equal_or_a_budget_error",
-            "test_checkpointing_deep_networks_is_equal_or_a_budget_error"} <= {
-                name.split("[")[0] for name in selected}:
+    """The property holds trivially for a pass that rewrites nothing: each must actually act.
+
+    Judged in the ci profile only, where the examples are the same on every run; a random-seeded
+    long run prints its shares (and writes them to $FXOPT_FUZZ_OUTCOMES) instead."""
+    selected = {item.name.split("[")[0] for item in request.session.items}
+    if not {ANY, DEEP} <= selected:
         pytest.skip("needs both fuzz properties to run first, in this session")
-    assert set(MIN_CHANGED_SHARE) == set(pass_registry.REGISTRY.canonical_order())
-    shares = {name: CHANGED_BY[name] / RAN_BY[name] for name in RAN_BY}
-    judged = {name: least for name, least in MIN_CHANGED_SHARE.items()
-              if RAN_BY[name] >= MIN_RUNS}
-    if not judged:
-        pytest.skip(f"too few examples to judge: runs per pass {dict(RAN_BY)}")
-    low = {name: f"{CHANGED_BY[name]}/{RAN_BY[name]} < {least:.0%}"
-           for name, least in judged.items() if shares[name] < least}
+    if PROFILE != "ci" or os.environ.get("FXOPT_FUZZ_EXAMPLES"):
+        pytest.skip(f"shares are judged in the ci profile; this run's: {shares_text()}")
+    assert {name for _, name in MIN_CHANGED_SHARE} == set(pass_registry.REGISTRY.canonical_order())
+    counts = {key: changed_and_ran(*key) for key in MIN_CHANGED_SHARE}
+    low = {f"{label(prop)}/{name}": f"changed {changed} of {ran} < {least:.0%}"
+           for (prop, name), least in MIN_CHANGED_SHARE.items()
+           for changed, ran in [counts[prop, name]] if changed < least * max(ran, 1)}
     assert not low, f"passes that rewrote too few of the examples they ran on: {low}"
 
 
@@ -164,13 +200,16 @@ def report_outcomes():
     total = sum(OUTCOMES.values())
     print(f"\nfuzz: {total} distinct examples ran (profile {PROFILE}): "
           + ", ".join(f"{k}={v}" for k, v in sorted(OUTCOMES.items()))
-          + "; graphs changed by: " + ", ".join(f"{k}={CHANGED_BY[k]}/{v}"
-                                                for k, v in sorted(RAN_BY.items())))
+          + "; graphs changed by (changed/ran): " + ", ".join(
+              f"{k}={CHANGED_BY[k]}/{v}" for k, v in sorted(RAN_BY.items()))
+          + "; per property: " + shares_text())
     path = os.environ.get("FXOPT_FUZZ_OUTCOMES")
     if path:
         with open(path, "w") as out:
             json.dump({"examples": total, "outcomes": dict(OUTCOMES),
-                       "changed_by": dict(CHANGED_BY), "ran_by": dict(RAN_BY)}, out)
+                       "changed_by": dict(CHANGED_BY), "ran_by": dict(RAN_BY),
+                       "per_property": {f"{p}/{n}": [CHANGED_IN[p, n], ran]
+                                        for (p, n), ran in sorted(RAN_IN.items())}}, out)
 
 
 # ------------------------------------------------------------- reproducers of bugs it found

@@ -27,9 +27,12 @@ INPLACE_OPERATORS = frozenset({
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
     operator.irshift, operator.imatmul, operator.setitem})
 
-# Functional norms that update the running statistics they are given (arguments 1 and 2).
-STATISTICS_UPDATERS = frozenset({torch.nn.functional.batch_norm, torch.batch_norm,
-                                 torch.nn.functional.instance_norm, torch.instance_norm})
+# Norms that update the running statistics they are given, and where those arguments sit:
+# F.batch_norm(input, running_mean, running_var, ...), but
+# torch.batch_norm(input, weight, bias, running_mean, running_var, ...).
+STATISTICS_UPDATERS = {torch.nn.functional.batch_norm: (1, 2),
+                       torch.nn.functional.instance_norm: (1, 2),
+                       torch.batch_norm: (3, 4), torch.instance_norm: (3, 4)}
 
 
 def _trailing_underscore(name: object) -> bool:
@@ -41,7 +44,9 @@ def overwritten_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     if node.op == "call_module":
         writes_first = getattr(gm.get_submodule(node.target), "inplace", False) is True
     elif node.op == "call_function" and node.target in STATISTICS_UPDATERS:
-        stats = [*node.args[1:3], node.kwargs.get("running_mean"), node.kwargs.get("running_var")]
+        positions = STATISTICS_UPDATERS[node.target]
+        stats = [node.args[i] for i in positions if i < len(node.args)]
+        stats += [node.kwargs.get("running_mean"), node.kwargs.get("running_var")]
         return [a for a in stats if isinstance(a, fx.Node)]
     elif node.op == "call_function":
         writes_first = (node.target in INPLACE_OPERATORS or node.kwargs.get("inplace") is True

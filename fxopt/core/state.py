@@ -41,7 +41,8 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
     """Run a block that may train ``modules``; afterwards they are exactly as before."""
     params = _unique_tensors(modules, "params")
     buffers = _unique_tensors(modules, "buffers")
-    grads = [p.grad for p in params]
+    # the .grad objects, and their values: a backward inside accumulates into them in place
+    grads = [(p.grad, None if p.grad is None else p.grad.detach().clone()) for p in params]
     buffer_values = [b.detach().clone() for b in buffers]
     flags = [(m, m.training) for module in modules for m in module.modules()]
     held = [(m, own_tensors(m)) for module in modules for m in module.modules()]
@@ -52,8 +53,10 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
         for m, tensors in held:
             restore_own_tensors(m, tensors)
         with torch.no_grad():
-            for p, g in zip(params, grads):
-                p.grad = g
+            for p, (grad, value) in zip(params, grads):
+                if grad is not None:
+                    grad.copy_(value)
+                p.grad = grad
             for b, v in zip(buffers, buffer_values):
                 b.copy_(v)
         for m, flag in flags:

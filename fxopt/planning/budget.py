@@ -41,7 +41,9 @@ def parse_budget(budget: int | float | str) -> tuple[str, float]:
         raise ConfigError(f"memory budget {budget!r} is neither a fraction in (0, 1] nor bytes",
                           hint="use 0 < f <= 1 for a fraction, or a whole number of bytes")
     if value <= 0:
-        raise ConfigError(f"memory budget {budget!r} must be positive")
+        raise ConfigError(f"memory budget {budget!r} must be positive",
+                          hint="give a fraction 0 < f <= 1 of the activation memory, or bytes "
+                               "such as 2GiB")
     return "bytes", value * _UNITS[unit or "b"]
 
 

@@ -4,7 +4,9 @@
 calls. In a training forward it runs ``body`` through ``torch.utils.checkpoint.checkpoint`` with
 ``use_reentrant=False`` (works when inputs do not require grad, with frozen parameters, under
 autocast and under DistributedDataParallel) and ``preserve_rng_state=True`` (dropout masks are
-replayed exactly). With grad disabled it just calls ``body``: inference pays nothing.
+replayed exactly). With grad disabled it just calls ``body``: nothing is recomputed, but the
+region's inputs stay alive until the call returns, so an inference peak can grow by one input
+(``tests/test_checkpoint.py`` records this as an expected failure).
 
 Recomputation would run BatchNorm's running-statistics update a second time (PyTorch's own
 checkpoint does). Here every buffer the region's modules own is snapshotted when recomputation
