@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_map_only
+from fxopt.core.torch_private import tree_map_only
 
 from fxopt.api import optimize
 from fxopt.core.errors import ConfigError, EquivalenceError

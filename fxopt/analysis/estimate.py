@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from fxopt.core.torch_private import FakeTensorMode
 
 from fxopt.core.errors import BudgetError, InputError
 from fxopt.capture.fake_run import on_fake_tensors, opaque_leaves_stood_in, training_flags

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from fxopt.core.torch_private import TorchDispatchMode
 
 from fxopt.core.tensors import allocated_bytes, storage_key, tensors_in
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_map_only
+from fxopt.core.torch_private import tree_map_only
 
 from fxopt.capture.fake_run import training_flags
 from fxopt.capture.meta import placeholder_values

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._pytree import tree_map_only
+from fxopt.core.torch_private import tree_map_only
 
 from fxopt.core.errors import TraceError
 from fxopt.core.tensors import storage_bytes, storage_key, tensors_in

@@ -27,10 +27,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from fxopt.core.torch_private import FakeTensor, FakeTensorMode
+from fxopt.core.torch_private import (
+    MKLDNN_RNN_WORKSPACE_INDEX,
+    TorchDispatchMode,
+    disable_current_modes,
+    rebuild_rnn_weights,
+    reparametrize_module,
+)
+from fxopt.core.torch_private import tree_flatten, tree_map_only, tree_unflatten
 
 from fxopt.core.state import preserved_rng
 from fxopt.core.step import as_args
@@ -107,14 +112,13 @@ def reparametrized(module: nn.Module, state: dict[str, torch.Tensor]) -> Iterato
     try:
         regions = _region_states(module, state)  # matched by identity, before the swap
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_reparametrize_module(module, state, tie_weights=True))
+            stack.enter_context(reparametrize_module(module, state))
             for body, body_state in regions:
-                stack.enter_context(_reparametrize_module(body, body_state, tie_weights=True))
+                stack.enter_context(reparametrize_module(body, body_state))
             yield
     finally:
         for m in module.modules():
-            if isinstance(m, nn.RNNBase):
-                m._init_flat_weights()
+            rebuild_rnn_weights(m)
 
 
 @contextlib.contextmanager
@@ -152,9 +156,9 @@ def _real_zeros(value: Any) -> Any:
 def _mkldnn_rnn_workspace_bytes(func: Any, args: tuple, kwargs: dict) -> int:
     key = _signature((args, tuple(sorted(kwargs.items())), torch.is_grad_enabled()))
     if key not in _WORKSPACE_BYTES:
-        with _disable_current_modes():  # the kernel's workspace depends on the grad mode
+        with disable_current_modes():  # the kernel's workspace depends on the grad mode
             real_args, real_kwargs = tree_map_only(torch.Tensor, _real_zeros, (args, kwargs))
-            workspace = func(*real_args, **real_kwargs)[3]
+            workspace = func(*real_args, **real_kwargs)[MKLDNN_RNN_WORKSPACE_INDEX]
             _WORKSPACE_BYTES[key] = storage_bytes(workspace)
     return _WORKSPACE_BYTES[key]
 

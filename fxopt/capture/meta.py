@@ -16,15 +16,19 @@ as good as that one sample.
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
-from torch.utils._pytree import tree_map_only
+from fxopt.core.torch_private import (
+    FakeTensor,
+    FakeTensorMode,
+    quiet_fake_tensor_logs,
+    tensor_metadata,
+    unset_fake_temporarily,
+)
+from fxopt.core.torch_private import tree_map_only
 
 from fxopt.capture.fake_run import fake_copy, reparametrized
 from fxopt.core.state import preserved_rng
@@ -80,7 +84,7 @@ class _FakeInterpreter(fx.Interpreter):
         if n.op != "output":
             n.meta["val"] = result
             if isinstance(result, torch.Tensor):
-                n.meta["tensor_meta"] = _extract_tensor_metadata(result)
+                n.meta["tensor_meta"] = tensor_metadata(result)
         return result
 
 
@@ -97,21 +101,8 @@ def propagate_meta(gm: fx.GraphModule, example_inputs: tuple, *,
     real_state = dict(gm.named_parameters(remove_duplicate=False))
     real_state.update(gm.named_buffers(remove_duplicate=False))
     fake_state = {name: mode.from_tensor(t) for name, t in real_state.items()}
-    with preserved_rng(), reparametrized(gm, fake_state), mode, _fake_kernel_failures_quiet():
+    with preserved_rng(), reparametrized(gm, fake_state), mode, quiet_fake_tensor_logs():
         _FakeInterpreter(gm, mode, real_state, around_node).run(*fake_inputs)
-
-
-@contextlib.contextmanager
-def _fake_kernel_failures_quiet() -> Iterator[None]:
-    """FakeTensorMode logs a full traceback for every failing kernel before raising; the error
-    reaches the caller anyway (a leaf then runs for real, or fxopt raises its own error)."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def placeholder_values(gm: fx.GraphModule) -> tuple:

@@ -8,8 +8,8 @@ Errors are one block -- what, where, what to do -- without a traceback unless ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -273,12 +273,14 @@ def _print_error(args: argparse.Namespace, error: Exception, code: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.debug:  # torch logs tracebacks of failed fake-tensor ops; fxopt's error says it
-        logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     from fxopt.core.errors import EquivalenceError, FxoptError
+    from fxopt.core.torch_private import quiet_fake_tensor_logs
 
+    # torch logs a traceback for each failed fake-tensor op; fxopt's own error says what failed
+    quiet = contextlib.nullcontext() if args.debug else quiet_fake_tensor_logs()
     try:
-        return COMMANDS[args.command](args)
+        with quiet:
+            return COMMANDS[args.command](args)
     except EquivalenceError as error:
         if args.debug:
             raise

@@ -44,6 +44,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.fx.graph import CodeGen, _BoxedCodeGen
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: F401
+from torch.nn.modules.dropout import _DropoutNd as DropoutBase  # noqa: F401
 
 _FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 

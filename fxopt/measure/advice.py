@@ -38,9 +38,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 import passes
+from fxopt.core.torch_private import BatchNormBase, DropoutBase
 from fxopt.core.tensors import storage_bytes
 from fxopt.measure.peaks import format_bytes
 
@@ -121,7 +121,7 @@ def batchnorm_small_batch(gm: fx.GraphModule, example_inputs: Any = None, *,
                           min_batch: int = 8) -> list[Lint]:
     """BatchNorm layers in train mode whose input batch is below ``min_batch``."""
     lints = []
-    for node, bn in _called(gm, _BatchNorm):
+    for node, bn in _called(gm, BatchNormBase):
         value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         if not bn.training or not isinstance(value, torch.Tensor) or value.dim() < 2:
             continue
@@ -205,7 +205,7 @@ def train_mode_for_inference(gm: fx.GraphModule, example_inputs: Any = None, *,
     if for_inference or not gm.training:
         why = ("the model is meant for inference" if for_inference
                else "the model is in eval mode but this submodule is not")
-        for node, module in _called(gm, (nn.modules.dropout._DropoutNd, _BatchNorm)):
+        for node, module in _called(gm, (DropoutBase, BatchNormBase)):
             if module.training:
                 lints.append(_lint(
                     "train-mode-for-inference", "correctness", node.target,
