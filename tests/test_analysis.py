@@ -400,3 +400,23 @@ def test_estimate_within_5_percent_of_measured_cpu_peak_on_the_zoo():
     assert len({name for name, *_ in rows}) == len(models_zoo.names()) - 1
     bad = [line for line, (*_, p, m) in zip(lines[2:], rows) if abs(p - m) > 0.05 * m]
     assert not bad, "\n".join(bad)
+
+
+def test_heavy_nodes_are_what_selective_regions_keep_at_run_time():
+    """The planner's "heavy" (kept by a selective region) is decided by the run time's own list:
+    attention counted no FLOPs on CPU fake tensors, so the planner used to treat it as cheap
+    while the region kept its output."""
+    from fxopt.analysis.costmodel import node_costs
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.head = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            y = self.bn(self.conv(x)).relu().mean((2, 3)).unsqueeze(1)
+            return self.head(F.scaled_dot_product_attention(y, y, y).squeeze(1))
+
+    gm = trace(Block(), torch.randn(2, 3, 8, 8))
+    heavy = {n.name for n, cost in node_costs(gm, profile=False).items() if cost.heavy}
+    assert heavy == {"conv", "scaled_dot_product_attention", "head"}

@@ -12,8 +12,9 @@ milliseconds). It ranks a convolution against a BatchNorm the right way round bu
 a CPU for memory-bound ops (resnet50, 8x3x128x128, one thread: a training-mode BatchNorm 8x and
 a max-pool 40x slower than the roofline says), hence the profile.
 
-A node is *heavy* when FlopCounterMode counts FLOPs for it: exactly the convolutions, matmuls
-and attention kernels that selective recomputation keeps.
+A node is *heavy* when one of ``fxopt.runtime.regions.HEAVY_ATEN_OPS`` runs inside it (seen by a
+dispatch mode during the same fake run): exactly the ops whose outputs a selective region keeps
+at run time, so what the planner assumes a selective region keeps is what it keeps.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -31,6 +33,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxopt.capture.meta import placeholder_values, propagate_meta
 from fxopt.analysis.node_timing import forward_seconds
 from fxopt.core.tensors import graph_device, tensor_bytes
+from fxopt.core.torch_private import TorchDispatchMode
+from fxopt.runtime.regions import is_heavy
 
 
 @dataclass(frozen=True)
@@ -38,10 +42,19 @@ class NodeCost:
     flops: int
     bytes: int
     seconds: float
+    heavy: bool = False
 
-    @property
-    def heavy(self) -> bool:
-        return self.flops > 0
+
+class _HeavyOpSeen(TorchDispatchMode):
+    """Records whether any op selective recomputation keeps ran while it was active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        self.seen = self.seen or is_heavy(func)
+        return func(*args, **(kwargs or {}))
 
 
 @functools.cache
@@ -77,13 +90,15 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
     ``profile=False``: roofline seconds only (no real compute at all).
     """
     flops: dict[fx.Node, int] = {}
+    heavy: dict[fx.Node, bool] = {}
 
     @contextlib.contextmanager
     def count(node: fx.Node) -> Iterator[None]:
-        counter = FlopCounterMode(display=False)
-        with counter:
+        counter, seen = FlopCounterMode(display=False), _HeavyOpSeen()
+        with counter, seen:
             yield
         flops[node] = counter.get_total_flops()
+        heavy[node] = seen.seen
 
     propagate_meta(gm, placeholder_values(gm), around_node=count)
     device = "cuda" if graph_device(gm).type == "cuda" else "cpu"
@@ -97,5 +112,5 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
             node.meta.get("val"))
         f = flops.get(node, 0)
         roofline = max(f / flop_rate, moved / byte_rate)
-        costs[node] = NodeCost(f, moved, measured.get(node, roofline))
+        costs[node] = NodeCost(f, moved, measured.get(node, roofline), heavy.get(node, False))
     return costs

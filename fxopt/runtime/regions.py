@@ -37,12 +37,19 @@ from torch.utils.checkpoint import (
 )
 
 aten = torch.ops.aten
+# The ops selective recomputation keeps (their outputs are saved, everything else in a selective
+# region is recomputed). fxopt's cost model calls a node heavy when one of these runs inside it,
+# so the planner and the run time agree on what a selective region keeps.
 HEAVY_ATEN_OPS = frozenset({
-    aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
-    aten.baddbmm.default, aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten.convolution, aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm,
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu,
 })
+
+
+def is_heavy(op: Any) -> bool:
+    """Whether the ATen op (an overload such as ``aten.mm.default``) is one of HEAVY_ATEN_OPS."""
+    return getattr(op, "overloadpacket", op) in HEAVY_ATEN_OPS
 
 
 # Let saved-tensor hooks (save_on_cpu, fxopt's own saved-tensor analysis) see what SAC keeps,
@@ -52,7 +59,7 @@ _SAC_HOOKS = ({"respect_saved_tensors_hooks": True}
 
 
 def _keep_heavy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in HEAVY_ATEN_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if is_heavy(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _autocast_on() -> bool:
