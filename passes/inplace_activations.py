@@ -44,6 +44,7 @@ from fxopt.core.torch_private import tree_map_only
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.capture.meta import placeholder_values, refresh_meta
 from fxopt.core.modules import call_hooks, has_hooks
+from fxopt.core.tensors import storage_key
 from fxopt.rewrite.pass_base import PassResult, mark_new
 
 PASS_NAME = "inplace_activations"
@@ -113,7 +114,7 @@ def _inplace_backward_saves_only_result(target: Any, const_args: tuple, kwargs: 
     saved_storages = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved_storages.append(t.untyped_storage().data_ptr())
+        saved_storages.append(storage_key(t))
         return t
 
     try:
@@ -122,7 +123,7 @@ def _inplace_backward_saves_only_result(target: Any, const_args: tuple, kwargs: 
         out.sum().backward()
     except RuntimeError:
         return False
-    return all(ptr == x.untyped_storage().data_ptr() for ptr in saved_storages)
+    return all(key == storage_key(x) for key in saved_storages)
 
 
 def _call(target: Any, args: tuple, kwargs: dict) -> torch.Tensor:

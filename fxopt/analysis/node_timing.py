@@ -30,15 +30,9 @@ from fxopt.core.torch_private import tree_map_only
 from fxopt.capture.fake_run import training_flags
 from fxopt.capture.meta import placeholder_values
 from fxopt.core.state import preserved_state
-from fxopt.core.tensors import graph_device, tensors_in
+from fxopt.core.tensors import graph_device, random_like, tensors_in
 
 _CALLS = ("call_function", "call_method", "call_module")
-
-
-def _real_like(value: torch.Tensor) -> torch.Tensor:
-    if value.is_floating_point():
-        return torch.randn(value.shape, dtype=value.dtype, device=value.device)
-    return torch.zeros(value.shape, dtype=value.dtype, device=value.device)
 
 
 class _TimedInterpreter(fx.Interpreter):
@@ -71,7 +65,7 @@ def forward_seconds(gm: fx.GraphModule, *, runs: int = 2) -> dict[fx.Node, float
     seconds: dict[fx.Node, float] = {}
     try:
         with preserved_state(gm), training_flags(gm, True), torch.no_grad():
-            inputs = tree_map_only(torch.Tensor, _real_like, values)
+            inputs = tree_map_only(torch.Tensor, random_like, values)
             for _ in range(runs):
                 _TimedInterpreter(gm, seconds).run(*inputs)
     except Exception:  # noqa: BLE001 -- any failure means: no profile, use the roofline

@@ -32,6 +32,7 @@ from fxopt.core.torch_private import compile_backend, min_cut_memory_budget
 from fxopt.rewrite.subgraph import extract_subgraph
 from fxopt.capture.trace import trace
 from fxopt.core.modules import structural_copy
+from fxopt.core.tensors import module_device
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def _own_backend(name: str) -> Callable[..., Any]:
 
 def build_torch_compile(model: nn.Module, inputs: tuple, fraction: float
                         ) -> tuple[nn.Module | None, str]:
-    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
+    on_cuda = module_device(model, inputs).type == "cuda"
     backend = "inductor" if on_cuda else "aot_eager_decomp_partition"
     return (CompiledWithBudget(structural_copy(model), fraction, backend),
             f"backend {backend}, activation_memory_budget={fraction:.2f}")

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from fxopt.core.tensors import random_like
 from fxopt.core.torch_private import (
     FakeTensor,
     FakeTensorMode,
@@ -32,12 +33,6 @@ from fxopt.core.torch_private import tree_map_only
 
 from fxopt.capture.fake_run import fake_copy, reparametrized
 from fxopt.core.state import preserved_rng
-
-
-def _real_like(t: torch.Tensor) -> torch.Tensor:
-    if t.is_floating_point() or t.is_complex():
-        return torch.randn(t.shape, dtype=t.dtype, device=t.device)
-    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
 
 class _FakeInterpreter(fx.Interpreter):
@@ -63,7 +58,7 @@ class _FakeInterpreter(fx.Interpreter):
         with unset_fake_temporarily(), preserved_rng(), torch.no_grad():
             state = {name[len(prefix):]: t.detach().clone()
                      for name, t in self.real_state.items() if name.startswith(prefix)}
-            real_args, real_kwargs = tree_map_only(torch.Tensor, _real_like, (args, kwargs))
+            real_args, real_kwargs = tree_map_only(torch.Tensor, random_like, (args, kwargs))
             out = torch.func.functional_call(self.fetch_attr(target), state, real_args, real_kwargs)
         return tree_map_only(torch.Tensor, self.mode.from_tensor, out)
 

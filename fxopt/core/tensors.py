@@ -101,3 +101,12 @@ def graph_device(gm: fx.GraphModule) -> torch.device:
     A graph without ``meta["val"]`` (not yet propagated) is judged by its state alone.
     """
     return module_device(gm, [node.meta.get("val") for node in gm.graph.nodes])
+
+
+def random_like(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor shaped like ``t`` (a fake or meta tensor, say) to run a kernel on: standard
+    normal for floating and complex dtypes, zeros otherwise (valid indices, masks all False).
+    Draws from the global RNG: callers that must not disturb it run under ``preserved_rng``."""
+    if t.is_floating_point() or t.is_complex():
+        return torch.randn(t.shape, dtype=t.dtype, device=t.device)
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)

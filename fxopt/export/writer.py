@@ -42,6 +42,7 @@ from torch import fx, nn
 
 from fxopt.export.codegen import generate, python_identifier
 from fxopt.core.errors import ExportError
+from fxopt.core.tensors import module_device
 from fxopt.core.step import as_args
 from fxopt.verify.equivalence import VerifyReport, verify
 
@@ -125,8 +126,7 @@ def _verify_reloaded(gm: fx.GraphModule, folder: Path, inputs: tuple) -> VerifyR
         raise ExportError(f"the exported module in {folder} does not load: "
                           f"{type(error).__name__}: {error}", where=str(folder / "model.py"),
                           hint="report this as an fxopt bug with the folder attached") from error
-    device = next((t.device for t in gm.parameters()), torch.device("cpu"))
-    exported.to(device)
+    exported.to(module_device(gm))
     keys, expected = list(exported.state_dict()), list(gm.state_dict())
     if keys != expected:
         raise ExportError(f"the exported module's state_dict keys differ from the model's: "

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from fxopt.core.tensors import graph_device
+
 # The functional form every padded op is rewritten to, by name (also what the timer runs).
 OPS: dict[str, Callable[..., torch.Tensor]] = {
     "conv1d": F.conv1d, "conv2d": F.conv2d, "conv3d": F.conv3d,
@@ -94,12 +96,6 @@ def padding_pays(gm: fx.GraphModule) -> tuple[bool, str]:
         return True, "CUDA float32 with TF32 matmuls: tensor-core kernels want aligned channels"
     return False, ("CUDA float32 without TF32 runs no tensor-core kernels "
                    "(pad_channels{force=true} pads anyway, e.g. for autocast)")
-
-
-def graph_device(gm: fx.GraphModule) -> torch.device:
-    tensors = graph_tensors(gm)
-    cuda = [t.device for t in tensors if t.device.type == "cuda"]
-    return cuda[0] if cuda else torch.device("cpu")
 
 
 @dataclass
