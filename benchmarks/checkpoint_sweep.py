@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 import models_zoo
+from fxopt.bench.environment import device_name
 from fxopt.analysis import estimate_peak
 from fxopt.api import optimize
 from fxopt.bench.runs import step_peak_bytes
@@ -68,19 +68,6 @@ class Point:
     time_ratio: float
     equal: bool
     note: str
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (CUDA)"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info
-                       if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"CPU {cpu}, {torch.get_num_threads()} threads"
 
 
 def smallest_budget(model, inputs) -> int:

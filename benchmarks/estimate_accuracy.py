@@ -14,26 +14,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import time
 
 import torch
 
 import models_zoo
+from fxopt.bench.environment import device_name
 from fxopt.analysis import estimate_peak
 from fxopt.measure.peaks import measure_inference, measure_train_step
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (CUDA)"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"CPU {cpu}, {torch.get_num_threads()} threads"
 
 
 def batches_for(entry: models_zoo.ZooEntry, spec: list[str]) -> list[int]:
@@ -50,8 +38,7 @@ def main() -> None:
                         help="also models tagged 'large' (resnet152)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    names = args.models.split(",") if args.models else [
-        n for n in models_zoo.names() if args.include_large or "large" not in models_zoo.get(n).tags]
+    names = models_zoo.selected(args.models, include_large=args.include_large)
 
     print(f"estimate_peak vs measured peak; device: {device_name(device)}; torch {torch.__version__}; "
           f"{datetime.date.today().isoformat()}")

@@ -25,13 +25,12 @@ import sys
 import torch
 
 import models_zoo
+from fxopt.bench.environment import device_name
 from fxopt.api import optimize
 from fxopt.measure.timing import timed_against
 from fxopt.core.errors import FxoptError
 from fxopt.capture.trace import trace
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from checkpoint_sweep import device_name  # noqa: E402
 
 CUDA_SIZES = {"odd_channel_cnn": (256, None), "transformer_lm": (16, 256)}
 CPU_SIZES = {"odd_channel_cnn": (16, None), "transformer_lm": (2, 16)}

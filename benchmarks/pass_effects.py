@@ -19,14 +19,13 @@ import sys
 import torch
 
 import models_zoo
+from fxopt.bench.environment import device_name
 from fxopt.api import optimize
 from fxopt.measure.timing import timed_against
 from fxopt.core.errors import BudgetError
 from fxopt.measure.peaks import format_bytes, measure
 from fxopt.capture.trace import trace
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from checkpoint_sweep import device_name  # noqa: E402
 
 
 def stages(budget: float | None) -> list[list]:
@@ -47,8 +46,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=None)
     parser.add_argument("--include-large", action="store_true")
     args = parser.parse_args()
-    names = args.models.split(",") if args.models else [
-        n for n in models_zoo.names() if args.include_large or "large" not in models_zoo.get(n).tags]
+    names = models_zoo.selected(args.models, include_large=args.include_large)
     print(f"passes on the zoo; device: {device_name(torch.device('cpu'))}; torch "
           f"{torch.__version__}; {datetime.date.today().isoformat()}; command: {' '.join(sys.argv)}")
     print(f"{'model':<18}{'passes':<52}{'train':>10}{'saved':>7}{'infer':>10}{'saved':>7}"

@@ -6,6 +6,6 @@ identical weights on every call without touching torch's global RNG state, and
 """
 
 from models_zoo.entry import ZooEntry
-from models_zoo.registry import build, get, names
+from models_zoo.registry import build, get, names, selected
 
-__all__ = ["ZooEntry", "build", "get", "names"]
+__all__ = ["ZooEntry", "build", "get", "names", "selected"]

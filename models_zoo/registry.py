@@ -22,6 +22,14 @@ def names() -> list[str]:
     return sorted(_ENTRIES)
 
 
+def selected(names_csv: str | None, *, include_large: bool = False) -> list[str]:
+    """The models a benchmark's ``--models a,b`` names, or every model but those tagged
+    ``large`` (unless ``include_large``)."""
+    if names_csv:
+        return names_csv.split(",")
+    return [n for n in names() if include_large or "large" not in get(n).tags]
+
+
 def get(name: str) -> ZooEntry:
     """The entry called ``name``; an unknown name raises InputError with the known names."""
     try:
