@@ -1,9 +1,9 @@
-"""``fxopt.optimize``: trace, rewrite, verify, (optionally) measure.
+"""``fxopt.optimize``: capture, rewrite, verify, (optionally) measure.
 
 The result is a GraphModule that owns the user's Parameter objects (an optimizer built on either
 model trains the other), has the same ``state_dict()`` keys, order and shapes (checkpoints load
 both ways), and carries its Report as ``.fxopt_report``. The user's model object is never
-modified: tracing works on a structural copy, and verification and measurement restore grads,
+modified: capture works on a structural copy, and verification and measurement restore grads,
 buffers, training flags and the RNG.
 """
 
@@ -14,14 +14,15 @@ from typing import Any
 
 from torch import fx, nn
 
-from fxopt.core.inputs import check_inputs, refuse_meta_tensors
-from fxopt.measure.peaks import measure
 import passes as builtin_passes
+from fxopt.capture.chain import capture as capture_model
+from fxopt.capture.chain import check_capture_option
+from fxopt.core.inputs import check_inputs, refuse_meta_tensors
+from fxopt.core.state import preserved_state
+from fxopt.measure.peaks import measure
+from fxopt.measure.report import Report
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
 from fxopt.rewrite.registry import PassRegistry
-from fxopt.measure.report import Report
-from fxopt.core.state import preserved_state
-from fxopt.capture.trace import trace
 from fxopt.verify.equivalence import verify as run_verify
 
 
@@ -36,6 +37,7 @@ def optimize(
     leaf_modules: tuple[str, ...] = (),
     dump_dir: str | Path | None = None,
     registry: PassRegistry | None = None,
+    capture: str = "auto",
 ) -> fx.GraphModule:
     """Return an optimized, verified GraphModule computing the same function as ``model``.
 
@@ -46,6 +48,9 @@ def optimize(
     ``measure_memory``: measure peak memory before and after (real training steps).
     ``registry``: the passes to choose from (default ``passes.REGISTRY``); add a pass of your own
     with ``passes.REGISTRY.with_pass(fxopt.rewrite.registry.PassSpec(name, fn, summary))``.
+    ``capture``: the capture frontend (``fxopt.capture.chain``): "auto" (symbolic tracing when it
+    captures the whole model, else torch.export, else tracing with opaque leaves), "fx" or
+    "export". The report says which one captured the model and why the others did not.
 
     ``example_inputs`` are the *positional* arguments of ``model.forward``: one tensor, or a
     tuple (or list) with one entry per argument. An entry may itself be a tuple, list or dict of
@@ -64,13 +69,14 @@ def optimize(
     registry = builtin_passes.REGISTRY if registry is None else registry
     config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir)
     config.resolved(registry)  # fail on a bad pass list before spending time on tracing
+    check_capture_option(capture, leaf_modules)
     args = check_inputs(model, example_inputs)
     if verify or measure_memory:
         refuse_meta_tensors("verify" if verify else "measure", model, args)
     # Whatever tracing or a pass does to the user's tensors (a forward run eagerly, a timing
     # run drawing random numbers, a pass that crashes half-way) is undone here.
     with preserved_state(model):
-        gm = trace(model, args, leaf_modules=leaf_modules)
+        gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
         report = Report(model=type(model).__name__, trace=gm.meta["fxopt_trace"])
         report.passes = run_passes(gm, config, registry)
     copy_training_flags(model, gm)

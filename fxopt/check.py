@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from fxopt.core.torch_private import tree_map_only
 
 from fxopt.api import optimize
 from fxopt.core.errors import ConfigError, EquivalenceError
 from fxopt.core.step import as_args
 from fxopt.core.tensors import tensors_in
+from fxopt.core.torch_private import tree_map_only
 from fxopt.verify.equivalence import verify
 
 SCHEMA = "fxopt.check/1"
@@ -168,8 +168,10 @@ def check_equivalence(
     tolerances: dict[torch.dtype, tuple[float, float]] | None = None,
     leaf_modules: tuple[str, ...] = (),
     progress: Progress | None = None,
+    capture: str = "auto",
 ) -> tuple[CheckResult, fx.GraphModule]:
-    """Optimize ``model`` and verify it on several inputs; see the module docstring."""
+    """Optimize ``model`` and verify it on several inputs; see the module docstring.
+    ``capture`` is ``fxopt.optimize``'s capture frontend option."""
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
         raise ConfigError(f"seeds must be a non-empty list of integers, got {seeds!r}",
@@ -180,7 +182,7 @@ def check_equivalence(
                           hint="e.g. batch_sizes=(1, 4)")
     args = as_args(example_inputs)
     gm = optimize(model, args, passes=passes, memory_budget=memory_budget, verify=False,
-                  leaf_modules=leaf_modules)
+                  leaf_modules=leaf_modules, capture=capture)
     first = next((t for t in tensors_in(args) if t.dim()), None)
     example_batch = int(first.shape[0]) if first is not None else None
     plan = [(example_batch, seeds[0], "example")]

@@ -40,12 +40,15 @@ def assert_equivalent(
     batch_sizes: Sequence[int] | None = None,
     tolerances: dict[torch.dtype, tuple[float, float]] | None = None,
     leaf_modules: tuple[str, ...] = (),
+    capture: str = "auto",
 ) -> fx.GraphModule:
-    """Optimize ``model`` and assert it is equivalent on several inputs; return it."""
+    """Optimize ``model`` and assert it is equivalent on several inputs; return it. ``capture``
+    is ``fxopt.optimize``'s capture frontend option ("auto", "fx" or "export")."""
     __tracebackhide__ = True  # pytest shows the caller's line, not this one
     result, optimized = check_equivalence(
         model, inputs, passes=passes, memory_budget=memory_budget, seeds=seeds,
-        batch_sizes=batch_sizes, tolerances=tolerances, leaf_modules=leaf_modules)
+        batch_sizes=batch_sizes, tolerances=tolerances, leaf_modules=leaf_modules,
+        capture=capture)
     if not result.ok:
         raise AssertionError(result.failure_message())
     return optimized

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 import passes as registry
-from fxopt.cli import commands as cli
 from fxopt.check import SCHEMA
-from fxopt.core.errors import ConfigError
-from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.cli import commands as cli
 from fxopt.cli.progress import Progress
 from fxopt.cli.targets import DTYPES
+from fxopt.core.errors import ConfigError
+from fxopt.rewrite.pass_base import PassResult, mark_new
 
 VENV_BIN = Path(sys.executable).parent
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -126,6 +126,25 @@ def test_bench_table_and_json(capsys):
     rows = document["results"][0]["rows"]
     assert [r["name"] for r in rows] == ["original", "fxopt", "checkpoint_sequential"]
     assert rows[0]["memory_ratio"] == 1.0 and rows[1]["train_peak_bytes"] > 0
+
+
+def test_capture_option_picks_the_frontend(capsys):
+    code, out, err = run(["optimize", "zoo:transformer_block", "--capture", "export",
+                          "--repeats", "1"], capsys)
+    assert code == 0, err
+    assert "captured by export (torch.export)" in out
+    assert "fx not used: capture='export' was asked for" in out
+    assert "verification: equivalent" in out
+    code, out, err = run(["check", "zoo:mlp", "--capture", "fx", "--seeds", "0"], capsys)
+    assert code == 0 and "equivalent: 2 of 2 runs match" in out, err
+    code, out, err = run(["report", "zoo:mlp", "--capture", "export", "--no-plot", "--json"],
+                         capsys)
+    assert code == 0 and json.loads(out)["breakdown"]["train"]["peak_bytes"] > 0, err
+    code, _, err = run(["bench", "zoo:mlp", "--capture", "export"], capsys)
+    assert code == 2 and "--capture export" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["optimize", "zoo:mlp", "--capture", "bogus"])
+    assert exit_info.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
 
 
 def test_errors_are_one_block_with_a_hint(tmp_path, capsys, monkeypatch):

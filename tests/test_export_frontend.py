@@ -380,6 +380,24 @@ def test_failures_are_trace_errors_with_a_place_and_a_hint():
         capture_with_export(Classifier(), (torch.randn(4, 8), torch.randn(4, 8)))
 
 
+class UserCheckpointed(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_users_checkpoint_is_refused_not_inlined(reentrant):
+    with pytest.raises(TraceError, match="torch.utils.checkpoint, which torch.export would "
+                                         "inline") as error:
+        capture_with_export(UserCheckpointed(reentrant), (torch.randn(3, 4),))
+    assert "test_export_frontend.py" in error.value.where and "capture='fx'" in error.value.hint
+
+
 # -- fxopt's passes on the ATen graph
 
 
@@ -402,3 +420,63 @@ def test_checkpoint_and_inplace_passes_on_the_captured_graph():
     assert report.ok, str(report)
     other = torch.randint(0, VOCAB, (3, 8))  # the dynamic batch survives checkpointing
     assert torch.equal(seeded(result.graph_module, other), seeded(model, other))
+
+
+# -- optimizing a captured module again
+
+
+def test_rebuilt_modules_keep_the_constants_only_the_eval_graph_reads(gpt):
+    """Re-tracing an exported module with torch.fx turns the eval graph's arange/tril into
+    tensor constants of their own; a module rebuilt from the train graph (checkpoint's
+    candidates, reorder's schedules) must carry them, or eval mode fails."""
+    from fxopt.capture.trace import graph_module_like
+    from fxopt.capture.train_eval import eval_graph
+    from fxopt.core.torch_private import copy_codegen
+
+    model, idx, gm = gpt
+    traced = trace(gm, (idx,))
+    train_reads = {n.target for n in traced.graph.find_nodes(op="get_attr")}
+    eval_only = {n.target for n in eval_graph(traced).find_nodes(op="get_attr")} - train_reads
+    assert eval_only, "the eval graph reads no constant of its own: the test proves nothing"
+    graph = torch.fx.Graph()
+    copy_codegen(traced.graph, graph)
+    graph.output(graph.graph_copy(traced.graph, {}))
+    rebuilt = graph_module_like(traced, graph)
+    assert all(getattr(rebuilt, name) is getattr(traced, name) for name in eval_only)
+    assert set(rebuilt.state_dict()) == set(model.state_dict())  # constants are not state
+    rebuilt.eval()
+    model.eval()
+    try:
+        with torch.no_grad():
+            assert torch.equal(rebuilt(idx), model(idx))
+    finally:
+        model.train()
+
+
+def test_optimizing_an_exported_module_with_a_memory_budget():
+    """The reported bug: the checkpoint pass lost '_tensor_constant*' of the eval graph."""
+    import fxopt
+
+    torch.manual_seed(0)
+    model = GPT()
+    idx = torch.randint(0, VOCAB, (4, 16))  # 0.5 fits with room to spare (8 would be tight)
+    gm = capture_with_export(model, (idx,))
+    optimized = fxopt.optimize(gm, (idx,), memory_budget=0.5)
+    checkpoint = next(p for p in optimized.fxopt_report.passes if p.name == "checkpoint")
+    assert checkpoint.modified and optimized.fxopt_report.verification.ok
+    assert verify(model, optimized, (idx,)).ok
+
+
+def test_the_guard_is_a_runtime_object_that_pickles(gpt):
+    import pickle
+
+    from fxopt.runtime.input_guard import InputGuard
+
+    _, idx, gm = gpt
+    (guard,) = [n.target for n in gm.graph.nodes if isinstance(n.target, InputGuard)]
+    assert type(guard).__module__ == "fxopt.runtime.input_guard" and guard.error is InputError
+    copy = pickle.loads(pickle.dumps(guard))
+    assert copy == guard and hash(copy) == hash(guard)
+    with pytest.raises(InputError, match=r"idx.shape\[1\] == 8"):
+        copy(torch.randint(0, VOCAB, (4, 7)))
+    assert copy(idx) is None

@@ -21,7 +21,7 @@ runs ``forward`` as ordinary Python on fake tensors, so both are captured, down 
   again in eval mode; when the graphs differ the module dispatches on ``self.training``
   (``fxopt.capture.train_eval``), so ``.train()`` / ``.eval()`` switch dropout and BatchNorm;
 - carries ``meta["val"]`` on every node (``fxopt.capture.meta.propagate_meta``) and
-  ``meta["fxopt_trace"]`` (a ``TraceInfo``: no leaves, ``mode_dependent``) and
+  ``meta["fxopt_trace"]`` (a ``TraceInfo``: frontend "export", no leaves, ``mode_dependent``) and
   ``meta["fxopt_export"]`` (an ``ExportInfo``: which input sizes stayed dynamic).
 
 The graph is torch.export's training IR (``torch.export.export`` traces pre-dispatch on torch
@@ -52,7 +52,8 @@ every module it traced from copies, which is one reason it runs on a structural 
 RNG state are as before.
 
 Not handled (``TraceError`` unless said otherwise): modules with hooks (export would run them once,
-at capture time); forward signatures without names for the inputs given (a bare ``*args,
+at capture time); forwards that call ``torch.utils.checkpoint`` (export would inline it, dropping
+the recomputation); forward signatures without names for the inputs given (a bare ``*args,
 **kwargs`` with no ``functools.wraps``); example inputs other than tensors, plain values and
 containers of them; output containers other than those listed; sizes whose exported relation is
 an expression (``y.shape[0] == 2 * x.shape[0]``: re-exported with static sizes, see
@@ -61,20 +62,22 @@ root on purpose (a frozen BatchNorm): the train graph has every module in train 
 graph every module in eval mode, and a submodule's own flag is never read again. Not supported:
 ``torch.save(module)`` and ``fxopt.export`` folders (the guard node is an object, not importable
 code), and inputs of another dtype (so ``fxopt.verify``'s float64 re-check of rounding
-differences cannot run on the captured module: it reports why in the mismatch). The graph's operators are ATen operators, not the module calls and ``torch.nn.functional``
-calls fxopt's passes were written for: see ``tests/test_export_frontend.py`` for which passes
-apply.
+differences cannot run on the captured module: it reports why in the mismatch). The graph's
+operators are ATen operators, not the module calls and ``torch.nn.functional`` calls fxopt's
+passes were written for: see ``tests/test_export_frontend.py`` for which passes apply.
+
+This module runs the export and unlifts its program into the GraphModule. The pieces it uses:
+``fxopt.capture.export_signature`` (binding the example call to forward's signature),
+``fxopt.capture.recipes`` (nested inputs and outputs as recipes, rebuilt in the graph) and
+``fxopt.runtime.input_guard`` (the guard node, which the captured module calls while it runs).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import inspect
-import math
 import operator
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,16 +86,26 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
+from fxopt.capture.export_signature import (
+    Placeholder,
+    bind_example,
+    signature_placeholders,
+)
 from fxopt.capture.meta import propagate_meta
+from fxopt.capture.recipes import build, emit, extract, flatten, leaf_paths
 from fxopt.capture.trace import TraceInfo, graph_module_like
-from fxopt.capture.trace_checks import user_frame
+from fxopt.capture.trace_checks import (
+    UserCheckpoint,
+    user_checkpoints_refused,
+    user_frame,
+)
 from fxopt.capture.train_eval import install_eval_graph, same_graph
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy
 from fxopt.core.state import preserved_state
 from fxopt.core.torch_private import codegen_of
+from fxopt.runtime.input_guard import InputGuard, TensorSpec
 
-_PLAIN = (type(None), bool, int, float, str)
 _ATTRIBUTE_PREFIX = "_fxopt_export_"
 _INNER = "inner"  # the model's attribute name inside the exported wrapper
 
@@ -104,267 +117,6 @@ class ExportInfo:
 
     dynamic: tuple[str, ...] = ()
     static_reason: str | None = None
-
-
-# ---------------------------------------------------------------------------------------------
-# Values as recipes: where the tensors are, and how to rebuild the containers around them
-
-
-@dataclass(frozen=True)
-class _Leaf:
-    index: int  # position among the flat tensors given to (or returned by) the export
-
-
-@dataclass(frozen=True)
-class _Const:
-    value: Any
-
-
-@dataclass(frozen=True)
-class _Seq:
-    cls: type
-    items: tuple
-
-
-@dataclass(frozen=True)
-class _Map:
-    cls: type
-    keys: tuple
-    items: tuple
-
-
-@dataclass(frozen=True)
-class _Fields:
-    cls: type
-    names: tuple
-    items: tuple
-
-
-class _Unsupported(Exception):
-    def __init__(self, where: str, kind: str):
-        super().__init__(f"{where} is a {kind}")
-        self.where = where
-        self.kind = kind
-
-
-def _flatten(value: Any, leaves: list, where: str, *, symbolic: bool = False) -> Any:
-    """The recipe of ``value``; its tensors (and, with ``symbolic``, SymInts) go to ``leaves``."""
-    if isinstance(value, torch.Tensor) or (
-            symbolic and isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))):
-        leaves.append(value)
-        return _Leaf(len(leaves) - 1)
-    if type(value) in _PLAIN:
-        return _Const(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = dataclasses.fields(value)
-        if not all(f.init for f in fields):
-            raise _Unsupported(where, f"dataclass {type(value).__name__} with init=False fields")
-        return _Fields(type(value), tuple(f.name for f in fields), tuple(
-            _flatten(getattr(value, f.name), leaves, f"{where}.{f.name}", symbolic=symbolic)
-            for f in fields))
-    if isinstance(value, Mapping):
-        keys = tuple(value)
-        if not all(type(k) in (str, int) for k in keys):
-            raise _Unsupported(where, f"{type(value).__name__} with keys other than str and int")
-        return _Map(type(value), keys, tuple(
-            _flatten(value[k], leaves, f"{where}[{k!r}]", symbolic=symbolic) for k in keys))
-    if isinstance(value, (tuple, list)):
-        return _Seq(type(value), tuple(
-            _flatten(v, leaves, f"{where}[{i}]", symbolic=symbolic) for i, v in enumerate(value)))
-    raise _Unsupported(where, type(value).__name__)
-
-
-def _is_namedtuple(cls: type) -> bool:
-    return issubclass(cls, tuple) and hasattr(cls, "_fields")
-
-
-def _build(recipe: Any, leaves: list | tuple) -> Any:
-    """The Python value ``recipe`` describes, with ``leaves`` in the tensors' places."""
-    if isinstance(recipe, _Leaf):
-        return leaves[recipe.index]
-    if isinstance(recipe, _Const):
-        return recipe.value
-    items = [_build(item, leaves) for item in recipe.items]
-    if isinstance(recipe, _Fields):
-        return recipe.cls(**dict(zip(recipe.names, items)))
-    if isinstance(recipe, _Map):
-        pairs = dict(zip(recipe.keys, items))
-        return pairs if recipe.cls is dict else recipe.cls(pairs)
-    if _is_namedtuple(recipe.cls):
-        return recipe.cls(*items)
-    return recipe.cls(items)
-
-
-def _emit(graph: fx.Graph, recipe: Any, leaves: list) -> Any:
-    """``_build`` as graph code: an fx argument, with constructor calls for container classes."""
-    if isinstance(recipe, _Leaf):
-        return leaves[recipe.index]
-    if isinstance(recipe, _Const):
-        return recipe.value
-    items = [_emit(graph, item, leaves) for item in recipe.items]
-    if isinstance(recipe, _Fields):
-        return graph.call_function(recipe.cls, (), dict(zip(recipe.names, items)))
-    if isinstance(recipe, _Map):
-        pairs = dict(zip(recipe.keys, items))
-        return pairs if recipe.cls is dict else graph.call_function(recipe.cls, (pairs,))
-    if recipe.cls in (tuple, list):
-        return recipe.cls(items)
-    if _is_namedtuple(recipe.cls):
-        return graph.call_function(recipe.cls, tuple(items))
-    return graph.call_function(recipe.cls, (tuple(items),))
-
-
-def _extract(graph: fx.Graph, recipe: Any, node: fx.Node, out: dict[int, fx.Node]) -> None:
-    """Graph nodes reading each tensor of ``recipe`` out of the value ``node`` holds."""
-    if isinstance(recipe, _Leaf):
-        out[recipe.index] = node
-        return
-    if isinstance(recipe, _Const):
-        return
-    keys = (recipe.names if isinstance(recipe, _Fields) else
-            recipe.keys if isinstance(recipe, _Map) else range(len(recipe.items)))
-    for key, item in zip(keys, recipe.items):
-        if _has_leaf(item):
-            read = (graph.call_function(getattr, (node, key)) if isinstance(recipe, _Fields)
-                    else graph.call_function(operator.getitem, (node, key)))
-            _extract(graph, item, read, out)
-
-
-def _has_leaf(recipe: Any) -> bool:
-    if isinstance(recipe, _Leaf):
-        return True
-    return not isinstance(recipe, _Const) and any(_has_leaf(i) for i in recipe.items)
-
-
-# ---------------------------------------------------------------------------------------------
-# The guard: the first node of each graph
-
-
-@dataclass(frozen=True)
-class _TensorSpec:
-    dims: tuple  # int (fixed) or str (a symbol shared by every dim of that size)
-    dtype: torch.dtype
-    device_type: str
-
-
-class InputGuard:
-    """Raises ``InputError`` when a call's inputs differ from what the graph was captured for.
-
-    Called by the graph with forward's arguments, in placeholder order. ``params`` is each
-    argument's name and recipe; ``tensors`` the fixed dims (int) or symbols (str) of each tensor;
-    ``ranges`` each symbol's (lowest, highest or None) size.
-    """
-
-    __name__ = "fxopt_input_guard"
-
-    def __init__(self, model_name: str, params: tuple, tensors: tuple[_TensorSpec, ...],
-                 ranges: dict[str, tuple[int, int | None]]):
-        self.model_name = model_name
-        self.params = params
-        self.tensors = tensors
-        self.ranges = dict(ranges)
-
-    def _key(self) -> tuple:
-        return (self.model_name, self.params, self.tensors, tuple(sorted(self.ranges.items())))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, InputGuard) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return f"InputGuard({', '.join(name for name, _ in self.params)})"
-
-    def __call__(self, *values: Any) -> Any:
-        proxy = next((v for v in values if isinstance(v, fx.Proxy)), None)
-        if proxy is not None:
-            # Symbolic tracing of the captured module (fxopt.optimize on it): stay in the graph.
-            return proxy.tracer.create_proxy("call_function", self, values, {})
-        found: dict[int, tuple[str, Any]] = {}
-        for (name, recipe), value in zip(self.params, values):
-            self._match(recipe, value, name, found)
-        bound: dict[str, tuple[str, int]] = {}
-        for index, spec in enumerate(self.tensors):
-            self._check_tensor(spec, *found[index], bound)
-
-    def _fail(self, what: str, where: str, hint: str) -> None:
-        raise InputError(f"{self.model_name} was captured by torch.export {what}",
-                         where=f"{self.model_name}.forward argument {where}", hint=hint)
-
-    def _match(self, recipe: Any, value: Any, where: str, found: dict) -> None:
-        recapture = ("capture again with example inputs like this call "
-                     "(fxopt.capture.export_frontend.capture_with_export(model, args, kwargs))")
-        if isinstance(recipe, _Leaf):
-            if not isinstance(value, torch.Tensor):
-                self._fail(f"with {where} a tensor; this call gives {_describe(value)}",
-                           where, recapture)
-            found[recipe.index] = (where, value)
-            return
-        if isinstance(recipe, _Const):
-            if type(value) is not type(recipe.value) or not _same_plain(value, recipe.value):
-                self._fail(f"with {where}={recipe.value!r}, which the graph has built in; this "
-                           f"call gives {_describe(value)}", where, recapture)
-            return
-        if type(value) is not recipe.cls:
-            self._fail(f"with {where} a {recipe.cls.__name__}; this call gives "
-                       f"{_describe(value)}", where, recapture)
-        if isinstance(recipe, _Fields):
-            for name, item in zip(recipe.names, recipe.items):
-                self._match(item, getattr(value, name), f"{where}.{name}", found)
-        elif isinstance(recipe, _Map):
-            if set(value) != set(recipe.keys):
-                self._fail(f"with {where} holding keys {list(recipe.keys)}; this call gives "
-                           f"{list(value)}", where, recapture)
-            for key, item in zip(recipe.keys, recipe.items):
-                self._match(item, value[key], f"{where}[{key!r}]", found)
-        else:
-            if len(value) != len(recipe.items):
-                self._fail(f"with {where} holding {len(recipe.items)} items; this call gives "
-                           f"{len(value)}", where, recapture)
-            for i, item in enumerate(recipe.items):
-                self._match(item, value[i], f"{where}[{i}]", found)
-
-    def _check_tensor(self, spec: _TensorSpec, where: str, t: torch.Tensor,
-                      bound: dict[str, tuple[str, int]]) -> None:
-        recapture = ("capture again with an example of the size you will call it with; only "
-                     "dimension 0 can stay dynamic, and only when the model does not fix it")
-        if t.dtype != spec.dtype or t.device.type != spec.device_type:
-            self._fail(f"with {where} of dtype {spec.dtype} on {spec.device_type}; this call "
-                       f"gives {t.dtype} on {t.device.type}", where,
-                       "convert the input, or capture again with inputs of this dtype and device")
-        if t.dim() != len(spec.dims):
-            self._fail(f"with {where} of {len(spec.dims)} dimensions; this call gives "
-                       f"{t.dim()}", where, recapture)
-        for d, (want, size) in enumerate(zip(spec.dims, t.shape)):
-            here = f"{where}.shape[{d}]"
-            if isinstance(want, int):
-                if size != want:
-                    self._fail(f"for {here} == {want} only (the graph has this size built in); "
-                               f"this call gives {size}", here, recapture)
-                continue
-            if want in bound and bound[want][1] != size:
-                first, first_size = bound[want]
-                self._fail(f"assuming {here} == {first}; this call gives {size} and "
-                           f"{first_size}", here, "pass inputs whose sizes agree as they did "
-                           "in the example inputs")
-            bound.setdefault(want, (here, size))
-            low, high = self.ranges.get(want, (0, None))
-            if size < low or (high is not None and size > high):
-                span = f"[{low}, {'inf' if high is None else high}]"
-                self._fail(f"for {here} in {span}; this call gives {size}", here,
-                           f"{recapture}. Sizes 0 and 1 are always fixed by torch.export, so "
-                           "capture with a batch of at least 2 to call with any batch of 2 or more")
-
-
-def _same_plain(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return a == b
-
-
-def _describe(value: Any) -> str:
-    return repr(value) if type(value) in _PLAIN else f"a {type(value).__name__}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,15 +153,15 @@ class _Flat(nn.Module):
         self.recorder = recorder
 
     def forward(self, *tensors: torch.Tensor) -> tuple:
-        args = [_build(self.call.given[name], tensors) for name in self.call.positional]
-        kwargs = {name: _build(self.call.given[name], tensors) for name in self.call.keywords}
+        args = [build(self.call.given[name], tensors) for name in self.call.positional]
+        kwargs = {name: build(self.call.given[name], tensors) for name in self.call.keywords}
         inner = getattr(self, _INNER)
         before = _state(inner)
         output = inner(*args, **kwargs)
         after = _state(inner)
         self.recorder.reassigned = [name for name, t in before.items() if after.get(name) is not t]
         leaves: list = []
-        self.recorder.out_recipe = _flatten(output, leaves, "output", symbolic=True)
+        self.recorder.out_recipe = flatten(output, leaves, "output", symbolic=True)
         return tuple(leaves)
 
 
@@ -442,8 +194,19 @@ def _export(shell: nn.Module, call: _Call, example: tuple, dynamic: bool, traini
     shapes = None
     if dynamic:
         shapes = (tuple({0: Dim.AUTO} if t.dim() else None for t in example),)
-    with _all_modules_in(wrapper, training):
-        program = torch.export.export(wrapper, example, dynamic_shapes=shapes, strict=False)
+    try:
+        with _all_modules_in(wrapper, training), user_checkpoints_refused():
+            program = torch.export.export(wrapper, example, dynamic_shapes=shapes, strict=False)
+    except Exception as error:
+        if _caused_by(error, UserCheckpoint):
+            # Exported through, the user's checkpoint would be inlined: its recomputation lost.
+            raise TraceError(
+                f"{type(shell).__name__} calls torch.utils.checkpoint, which torch.export would "
+                "inline, silently dropping the recomputation", where=user_frame(error),
+                hint="use fxopt.trace(model, inputs) (capture='fx'), which keeps the module "
+                     "that calls it as written, or remove the checkpoint and pass "
+                     "memory_budget= to let fxopt plan the recomputation") from error
+        raise
     if recorder.out_recipe is None:
         raise TraceError("torch.export never ran forward", where="capture_with_export",
                          hint="report this to fxopt")
@@ -460,7 +223,17 @@ def _export(shell: nn.Module, call: _Call, example: tuple, dynamic: bool, traini
     return _Exported(program, recorder.out_recipe)
 
 
-def _user_input_specs(exported: _Exported, names: list[str]) -> list[_TensorSpec] | None:
+def _caused_by(error: BaseException | None, kind: type) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _user_input_specs(exported: _Exported, names: list[str]) -> list[TensorSpec] | None:
     """Each tensor input's dims as exported; None if a size is an expression, not one symbol."""
     program = exported.program
     by_name = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
@@ -477,7 +250,7 @@ def _user_input_specs(exported: _Exported, names: list[str]) -> list[_TensorSpec
                 dims.append(str(size))
             else:
                 return None
-        specs.append(_TensorSpec(tuple(dims), val.dtype, val.device.type))
+        specs.append(TensorSpec(tuple(dims), val.dtype, val.device.type))
     return specs if len(specs) == len(names) else None
 
 
@@ -516,44 +289,7 @@ def _trace_error(model: nn.Module, error: BaseException, mode: str) -> TraceErro
 # Building the GraphModule
 
 
-@dataclass
-class _Placeholder:
-    name: str
-    recipe: Any  # what the example held (or the default it was captured at)
-    default: Any = inspect.Parameter.empty
-
-
-def _placeholders(model_name: str, signature: inspect.Signature, given: dict[str, Any]
-                  ) -> list[_Placeholder]:
-    """forward's parameters the graph takes, in forward's order.
-
-    Parameters after the last one given are left out (calling with one is a TypeError): the
-    model used its own default, which a decorator may set differently from what the signature
-    says. A parameter skipped before a given one keeps its place, at its default, so positional
-    calls bind as they do on the model; the guard refuses any other value. A given parameter has
-    no default unless Python needs one after a defaulted parameter; that default is None, which
-    the guard refuses unless None was captured.
-    """
-    params = [p for p in signature.parameters.values()
-              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    last = max(i for i, p in enumerate(params) if p.name in given)
-    result: list[_Placeholder] = []
-    for param in params[:last + 1]:
-        if param.name in given:
-            default = None if any(p.default is not param.empty for p in result) else param.empty
-            result.append(_Placeholder(param.name, given[param.name], default))
-        elif param.default is not param.empty and type(param.default) in _PLAIN:
-            result.append(_Placeholder(param.name, _Const(param.default), param.default))
-        else:
-            raise TraceError(
-                f"{model_name}.forward's argument {param.name!r} comes before arguments the "
-                f"example gives, and its default ({_describe(param.default)}) cannot be written "
-                "in the captured module's signature", where=f"{model_name}.forward{signature}",
-                hint=f"pass {param.name} explicitly in the example inputs")
-    return result
-
-
-def _unlift(exported: _Exported, placeholders: list[_Placeholder], model_name: str,
+def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: str,
             attributes: dict[str, Any], shell: nn.Module, leaf_names: list[str]) -> fx.Graph:
     """The exported graph with forward's arguments as placeholders, the user's parameters and
     buffers as ``get_attr`` nodes, buffer mutations written back, and the output rebuilt."""
@@ -563,12 +299,12 @@ def _unlift(exported: _Exported, placeholders: list[_Placeholder], model_name: s
     specs = _user_input_specs(exported, leaf_names)
     assert specs is not None
     guard = InputGuard(model_name, tuple((p.name, p.recipe) for p in placeholders),
-                       tuple(specs), _ranges(program))
+                       tuple(specs), _ranges(program), error=InputError)
     torch.fx.node.has_side_effect(guard)  # so dead-code elimination keeps it
     graph.call_function(guard, tuple(nodes))
     leaves: dict[int, fx.Node] = {}
     for p, node in zip(placeholders, nodes):
-        _extract(graph, p.recipe, node, leaves)
+        extract(graph, p.recipe, node, leaves)
 
     env: dict[fx.Node, Any] = {}
     inputs: dict[str, fx.Node] = {}  # the exported graph's input names -> our nodes
@@ -641,7 +377,7 @@ def _output(graph: fx.Graph, exported: _Exported, node: fx.Node, env: dict,
                 f"torch.export gave {model_name} an output of kind {spec.kind.name}, which fxopt "
                 "cannot run as a plain GraphModule", where=f"{model_name}.forward",
                 hint="use fxopt.trace(model, inputs)")
-    graph.output(_emit(graph, exported.out_recipe, user))
+    graph.output(emit(graph, exported.out_recipe, user))
 
 
 def _strip_wrapper(node: fx.Node) -> None:
@@ -661,44 +397,6 @@ def _strip_wrapper(node: fx.Node) -> None:
 # The entry point
 
 
-def _bind(model: nn.Module, args: tuple, kwargs: dict[str, Any]
-          ) -> tuple[inspect.Signature, dict[str, Any], dict[str, Any], list]:
-    """forward's signature, each given argument's recipe, and the example tensors, flat."""
-    name = type(model).__name__
-    try:
-        signature = inspect.signature(model.forward)
-        bound = signature.bind(*args, **kwargs)
-    except (TypeError, ValueError) as error:
-        raise InputError(f"{name}.forward cannot be called with these example inputs: {error}",
-                         where=f"{name}.forward",
-                         hint="pass args as a tuple of forward's positional arguments and kwargs "
-                              "as a dict of its keyword arguments") from error
-    variadic = [p.name for p in signature.parameters.values()
-                if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name in bound.arguments]
-    if variadic:
-        raise TraceError(
-            f"{name}.forward takes *{variadic[0]}, which the example inputs reach: fxopt needs a "
-            "named parameter for every input it captures",
-            where=f"{name}.forward{signature}",
-            hint="give forward named parameters, or wrap it with functools.wraps so its "
-                 "signature names them")
-    leaves: list = []
-    given: dict[str, Any] = {}
-    for arg_name, value in bound.arguments.items():
-        try:
-            given[arg_name] = _flatten(value, leaves, arg_name)
-        except _Unsupported as error:
-            raise InputError(
-                f"example input {error.where} is a {error.kind}, which fxopt cannot pass to "
-                "torch.export", where=f"{name}.forward argument {error.where}",
-                hint="pass tensors, plain values (None, bool, int, float, str) and tuples, "
-                     "lists, dicts and dataclasses of them") from error
-    if not leaves:
-        raise InputError("the example inputs contain no tensor", where=f"{name}.forward",
-                         hint="pass the tensors forward takes, e.g. (torch.randn(8, 3, 32, 32),)")
-    return signature, bound.arguments, given, leaves
-
-
 def _refuse_hooks(model: nn.Module) -> None:
     for path, module in model.named_modules():
         kinds = call_hooks(module)
@@ -710,24 +408,6 @@ def _refuse_hooks(model: nn.Module) -> None:
                 where=f"{path or '<root>'} ({type(module).__name__})",
                 hint="remove the hooks before capturing, or use fxopt.trace(model, inputs), "
                      "which keeps hooked modules as calls")
-
-
-def _leaf_names(given: dict[str, Any]) -> list[str]:
-    names: dict[int, str] = {}
-
-    def walk(recipe: Any, where: str) -> None:
-        if isinstance(recipe, _Leaf):
-            names[recipe.index] = where
-        elif not isinstance(recipe, _Const):
-            keys = (recipe.names if isinstance(recipe, _Fields) else
-                    recipe.keys if isinstance(recipe, _Map) else range(len(recipe.items)))
-            for key, item in zip(keys, recipe.items):
-                walk(item, f"{where}.{key}" if isinstance(recipe, _Fields) else
-                     f"{where}[{key!r}]")
-
-    for name, recipe in given.items():
-        walk(recipe, name)
-    return [names[i] for i in sorted(names)]
 
 
 def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None
@@ -747,8 +427,8 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     name = type(model).__name__
     start = time.perf_counter()
     _refuse_hooks(model)
-    signature, arguments, given, example = _bind(model, args, kwargs)
-    leaf_names = _leaf_names(given)
+    signature, arguments, given, example = bind_example(model, args, kwargs)
+    leaf_names = leaf_paths(given)
     call = _Call(given, tuple(list(arguments)[:len(args)]), tuple(kwargs))
     # Distinct copies: export would otherwise treat two arguments that are one tensor as
     # aliases for ever after.
@@ -773,7 +453,7 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
             if all(_user_input_specs(e, leaf_names) is not None for e in exports):
                 break
             static_reason = "a size relation between inputs is an expression, not one size"
-        placeholders = _placeholders(name, signature, given)
+        placeholders = signature_placeholders(name, signature, given)
         attributes: dict[str, Any] = {}
         graphs = [_unlift(e, placeholders, name, attributes, shell, leaf_names) for e in exports]
     for attr, value in attributes.items():
@@ -782,7 +462,7 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     for attr, value in attributes.items():
         if attr not in vars(gm):
             object.__setattr__(gm, attr, value)
-    info = TraceInfo()
+    info = TraceInfo(frontend="export")
     if not same_graph(graphs[0], graphs[1], gm):
         install_eval_graph(gm, graphs[1])
         info.mode_dependent = True
@@ -798,7 +478,7 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     return gm
 
 
-def _propagate(model: nn.Module, gm: fx.GraphModule, placeholders: list[_Placeholder],
+def _propagate(model: nn.Module, gm: fx.GraphModule, placeholders: list[Placeholder],
                arguments: dict[str, Any]) -> None:
     values = tuple(arguments[p.name] if p.name in arguments else p.default for p in placeholders)
     try:

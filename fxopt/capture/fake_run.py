@@ -27,19 +27,22 @@ from typing import Any
 
 import torch
 from torch import nn
-from fxopt.core.torch_private import FakeTensor, FakeTensorMode
-from fxopt.core.torch_private import (
-    MKLDNN_RNN_WORKSPACE_INDEX,
-    TorchDispatchMode,
-    disable_current_modes,
-    rebuild_rnn_weights,
-    reparametrize_module,
-)
-from fxopt.core.torch_private import tree_flatten, tree_map_only, tree_unflatten
 
 from fxopt.core.state import preserved_rng
 from fxopt.core.step import as_args
 from fxopt.core.tensors import storage_bytes, tensors_in
+from fxopt.core.torch_private import (
+    MKLDNN_RNN_WORKSPACE_INDEX,
+    FakeTensor,
+    FakeTensorMode,
+    TorchDispatchMode,
+    disable_current_modes,
+    rebuild_rnn_weights,
+    reparametrize_module,
+    tree_flatten,
+    tree_map_only,
+    tree_unflatten,
+)
 
 
 @dataclass

@@ -21,18 +21,18 @@ from typing import Any
 
 import torch
 from torch import fx
+
+from fxopt.capture.fake_run import fake_copy, reparametrized
+from fxopt.core.state import preserved_rng
 from fxopt.core.tensors import random_like
 from fxopt.core.torch_private import (
     FakeTensor,
     FakeTensorMode,
     quiet_fake_tensor_logs,
     tensor_metadata,
+    tree_map_only,
     unset_fake_temporarily,
 )
-from fxopt.core.torch_private import tree_map_only
-
-from fxopt.capture.fake_run import fake_copy, reparametrized
-from fxopt.core.state import preserved_rng
 
 
 class _FakeInterpreter(fx.Interpreter):

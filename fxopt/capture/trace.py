@@ -36,7 +36,6 @@ attributes that are not registered submodules.
 from __future__ import annotations
 
 import collections
-import copy
 import operator
 import time
 from dataclasses import dataclass, field
@@ -44,11 +43,6 @@ from typing import Any
 
 from torch import fx, nn
 
-from fxopt.core.errors import TraceError
-from fxopt.core.modules import call_hooks, copy_hooks, has_hooks, structural_copy
-from fxopt.core.inputs import check_inputs, concrete_args
-from fxopt.capture.train_eval import install_eval_graph, same_graph
-from fxopt.runtime.regions import CheckpointedRegion, call_region
 from fxopt.capture.trace_checks import (
     check_state_kept,
     propagate_meta_explained,
@@ -56,6 +50,21 @@ from fxopt.capture.trace_checks import (
     user_checkpoints_refused,
     user_frame,
 )
+from fxopt.capture.train_eval import (
+    dispatched_eval_module,
+    install_eval_graph,
+    same_graph,
+)
+from fxopt.core.errors import TraceError
+from fxopt.core.inputs import check_inputs, concrete_args
+from fxopt.core.modules import (
+    call_hooks,
+    copy_hooks,
+    has_hooks,
+    share_tree,
+    structural_copy,
+)
+from fxopt.runtime.regions import CheckpointedRegion, call_region
 
 
 @dataclass(frozen=True)
@@ -69,10 +78,20 @@ class LeafFallback:
 
 @dataclass
 class TraceInfo:
+    """How a model was captured: ``meta["fxopt_trace"]`` of a captured GraphModule.
+
+    ``frontend`` is the capture frontend that made the graph ("fx": symbolic tracing, this
+    module; "export": ``fxopt.capture.export_frontend``) and ``not_used`` says, as (frontend,
+    one line) pairs, why the others did not (``fxopt.capture.chain``). Fields added later have
+    class-level defaults, so a TraceInfo pickled before they existed loads with them.
+    """
+
     leaves: list[LeafFallback] = field(default_factory=list)
     seconds: float = 0.0
     # True when forward's Python code depends on self.training (see fxopt.capture.train_eval)
     mode_dependent: bool = False
+    frontend: str = "fx"
+    not_used: tuple[tuple[str, str], ...] = ()
 
 
 class _FallbackTracer(fx.Tracer):
@@ -129,18 +148,23 @@ def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
 
     fx would otherwise copy only the attributes the graph uses (dropping unused parameters, and
     modules only reached through a checkpointed region) and register tracer constants as buffers
-    (adding state_dict keys). Plain attributes the graph reads stay plain attributes. ``shell``'s
-    own hooks are copied: tracing ran its ``forward``, not its hooks, which must run when the
-    GraphModule is called.
+    (adding state_dict keys). Plain attributes the graph reads stay plain attributes, and so do
+    those the eval-mode graph reads when ``graph``'s code dispatches on ``self.training``
+    (``fxopt.capture.train_eval``): that graph runs with the new module as ``self``, so a
+    constant only it reads (a mask the eval graph built) must be there too. ``shell``'s own hooks
+    are copied: tracing ran its ``forward``, not its hooks, which must run when the GraphModule
+    is called.
     """
     gm = fx.GraphModule(shell, graph, class_name=type(shell).__name__)
     constants = {n.target: operator.attrgetter(n.target)(gm) for n in graph.nodes
                  if n.op == "get_attr"}
-    gm._modules.clear()
-    gm._modules.update(shell._modules)
-    gm._parameters = copy.copy(shell._parameters)
-    gm._buffers = copy.copy(shell._buffers)
-    gm._non_persistent_buffers_set = set(shell._non_persistent_buffers_set)
+    eval_module = dispatched_eval_module(graph)
+    if eval_module is not None:
+        for node in eval_module.graph.find_nodes(op="get_attr"):
+            if node.target not in constants:
+                source = shell if _has_path(shell, node.target) else eval_module
+                constants[node.target] = operator.attrgetter(node.target)(source)
+    share_tree(gm, shell)
     for target, value in constants.items():
         owner_path, _, name = target.rpartition(".")
         owner = gm.get_submodule(owner_path)

@@ -23,8 +23,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import fx, nn
 
-from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.capture.meta import propagate_meta
+from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.state import preserved_state
 
 _TORCH_DIR = str(Path(torch.__file__).parent) + "/"  # the slash keeps torchvision out

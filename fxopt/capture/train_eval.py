@@ -23,7 +23,6 @@ with every module in train mode.
 from __future__ import annotations
 
 import operator
-
 from typing import Any
 
 import torch
@@ -116,7 +115,14 @@ def has_eval_graph(gm: fx.GraphModule) -> bool:
 
 def eval_graph(gm: fx.GraphModule) -> fx.Graph | None:
     """The eval-mode graph ``gm`` dispatches to, or None when it has one graph for both."""
-    return codegen_of(gm.graph).eval_forward.eval_module.graph if has_eval_graph(gm) else None
+    return dispatched_eval_module(gm.graph).graph if has_eval_graph(gm) else None
+
+
+def dispatched_eval_module(graph: fx.Graph) -> fx.GraphModule | None:
+    """The eval-mode module ``graph``'s generated code dispatches to (it holds the constants the
+    eval-mode graph reads), or None when ``graph`` has no mode dispatch."""
+    codegen = codegen_of(graph)
+    return codegen.eval_forward.eval_module if isinstance(codegen, ModeDispatchCodeGen) else None
 
 
 def dispatch_to_method(graph: fx.Graph, method: str) -> fx.Graph:

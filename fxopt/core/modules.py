@@ -174,3 +174,14 @@ def own_children(module: nn.Module) -> dict[str, nn.Module | None]:
 def non_persistent_buffers(module: nn.Module) -> set[str]:
     """Names of ``module``'s own buffers that ``state_dict()`` leaves out."""
     return set(module._non_persistent_buffers_set)
+
+
+def share_tree(target: nn.Module, source: nn.Module) -> None:
+    """Make ``target``'s own submodules, parameters and buffers those of ``source`` (the same
+    objects, in the same order; non-persistent buffers too), in containers of ``target``'s own,
+    so adding to one module later does not add to the other."""
+    target._modules.clear()
+    target._modules.update(source._modules)
+    target._parameters = copy.copy(source._parameters)
+    target._buffers = copy.copy(source._buffers)
+    target._non_persistent_buffers_set = set(source._non_persistent_buffers_set)

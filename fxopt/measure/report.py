@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fxopt.capture.trace import TraceInfo
 from fxopt.measure.peaks import MemoryReport, format_bytes
 from fxopt.rewrite.pipeline import PassRecord
-from fxopt.capture.trace import TraceInfo
 from fxopt.verify.equivalence import VerifyReport
+
+_FRONTENDS = {"fx": "fx (symbolic tracing)", "export": "export (torch.export)"}
 
 
 @dataclass
@@ -26,6 +28,8 @@ class Report:
             "trace": {
                 "seconds": self.trace.seconds,
                 "leaves": [vars(leaf) for leaf in self.trace.leaves],
+                "frontend": self.trace.frontend,
+                "not_used": {name: why for name, why in self.trace.not_used},
             },
             "passes": [p.as_dict() for p in self.passes],
             "verification": self.verification.as_dict() if self.verification else None,
@@ -35,11 +39,14 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"fxopt report for {self.model}"]
-        lines.append(f"  traced in {self.trace.seconds:.2f} s"
+        lines.append(f"  captured by {_FRONTENDS.get(self.trace.frontend, self.trace.frontend)} "
+                     f"in {self.trace.seconds:.2f} s"
                      + (f"; {len(self.trace.leaves)} submodule(s) kept as opaque leaves:"
                         if self.trace.leaves else "; fully traced"))
         for leaf in self.trace.leaves:
             lines.append(f"    {leaf.path} ({leaf.module_type}): {leaf.reason}")
+        for name, why in self.trace.not_used:
+            lines.append(f"    {name} not used: {why}")
         if not self.passes:
             lines.append("  passes: none ran")
         for record in self.passes:

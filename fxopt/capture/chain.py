@@ -1,0 +1,140 @@
+"""Which frontend captures a model: ``capture(model, args, capture="auto")``.
+
+fxopt has two capture frontends, both returning a GraphModule that owns the user's Parameters:
+
+- ``"fx"``: symbolic tracing (``fxopt.capture.trace``). Keeps module calls (``call_module``
+  nodes), which the passes were written for, and keeps a submodule it cannot follow as an
+  opaque leaf that no pass can look into. Fails only when the root's own ``forward`` cannot
+  be traced.
+- ``"export"``: ``torch.export`` (``fxopt.capture.export_frontend``). Follows Python that reads
+  sizes (``torch.tril(torch.ones(T, T))`` with ``T`` from ``x.shape``) and decorated forwards,
+  down to ATen operators, with no leaves; the module it returns refuses inputs unlike the
+  example (another sequence length, a batch of 1 when captured at 2 or more), and cannot be
+  saved with ``torch.save(module)`` or written as a folder by ``fxopt.export`` (its input guard
+  is an object, not importable code). It refuses hooks and ``torch.utils.checkpoint`` calls.
+
+``"auto"`` (the default) takes symbolic tracing when it captures the whole model with no
+opaque leaf, so such models (torchvision's among them) get exactly what ``trace`` gives.
+Otherwise it tries torch.export, and when that fails too it returns the traced module with its
+leaves, or, when symbolic tracing failed outright, a ``TraceError`` carrying both reasons.
+torch.export is not tried when ``leaf_modules`` names modules to keep opaque (it cannot keep
+any), nor when a submodule is in another training mode than the root (a frozen BatchNorm: the
+exported graphs have every module in one mode).
+
+The result's ``meta["fxopt_trace"]`` (a ``TraceInfo``) says which frontend captured it
+(``frontend``) and why each other one did not (``not_used``: one line per frontend).
+
+Safe for any model ``trace`` or ``capture_with_export`` accepts; the user's model is never
+modified. Costs: for a model with opaque leaves "auto" runs symbolic tracing and then
+torch.export (twice: train and eval mode), so capture takes longer than before. Not handled:
+keyword example inputs (``args`` are forward's positional arguments, as for ``trace``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch import fx, nn
+
+from fxopt.capture.export_frontend import capture_with_export
+from fxopt.capture.trace import TraceInfo, trace
+from fxopt.core.errors import ConfigError, FxoptError, TraceError
+from fxopt.core.inputs import check_inputs
+
+CAPTURE_CHOICES = ("auto", "fx", "export")
+
+
+def check_capture_option(capture: Any, leaf_modules: tuple[str, ...] = ()) -> None:
+    """``ConfigError`` unless ``capture`` is one of ``CAPTURE_CHOICES`` and can keep
+    ``leaf_modules`` opaque."""
+    if capture not in CAPTURE_CHOICES:
+        raise ConfigError(f"capture={capture!r} is not a capture frontend",
+                          where="capture option",
+                          hint=f"use one of: {', '.join(CAPTURE_CHOICES)} (default auto)")
+    if capture == "export" and leaf_modules:
+        raise ConfigError(
+            f"capture='export' cannot keep leaf_modules={tuple(leaf_modules)!r} opaque: "
+            "torch.export captures every module down to ATen operators",
+            where="capture option", hint="use capture='fx' (or 'auto') with leaf_modules")
+
+
+def capture(model: nn.Module, args: Any, *, capture: str = "auto",
+            leaf_modules: tuple[str, ...] = ()) -> fx.GraphModule:
+    """``model`` as a GraphModule, captured by the frontend ``capture`` names ("auto", "fx" or
+    "export"; see the module docstring); ``args`` are forward's positional arguments.
+
+    Raises ``ConfigError`` for an unknown ``capture``, ``InputError`` for unusable inputs and
+    ``TraceError`` when no frontend allowed captures the model.
+    """
+    check_capture_option(capture, leaf_modules)
+    args = check_inputs(model, args)
+    start = time.perf_counter()
+    if capture == "fx":
+        gm = trace(model, args, leaf_modules=leaf_modules)
+        not_used = (("export", "capture='fx' was asked for"),)
+    elif capture == "export":
+        gm = capture_with_export(model, args)
+        not_used = (("fx", "capture='export' was asked for"),)
+    else:
+        gm, not_used = _auto(model, args, leaf_modules)
+    info: TraceInfo = gm.meta["fxopt_trace"]
+    info.not_used = not_used
+    info.seconds = time.perf_counter() - start
+    return gm
+
+
+def _auto(model: nn.Module, args: tuple, leaf_modules: tuple[str, ...]
+          ) -> tuple[fx.GraphModule, tuple[tuple[str, str], ...]]:
+    traced: fx.GraphModule | None = None
+    fx_error: TraceError | None = None
+    try:
+        traced = trace(model, args, leaf_modules=leaf_modules)
+    except TraceError as error:  # an InputError is the inputs' fault: no frontend would help
+        fx_error = error
+    if traced is not None and not traced.meta["fxopt_trace"].leaves:
+        return traced, (("export", "symbolic tracing captured the whole model"),)
+    why_not_fx = (_first_line(fx_error) if fx_error is not None
+                  else _leaves_line(traced.meta["fxopt_trace"]))
+    why_not_export = _export_blocker(model, leaf_modules)
+    if why_not_export is None:
+        try:
+            exported = capture_with_export(model, args)
+        except FxoptError as error:
+            why_not_export = _first_line(error)
+        except Exception as error:  # a bug in the export frontend must not lose a working trace
+            why_not_export = f"internal error: {type(error).__name__}: {_first(str(error))}"
+        else:
+            return exported, (("fx", why_not_fx),)
+    if traced is not None:
+        return traced, (("export", why_not_export),)
+    raise TraceError(f"{fx_error.what}\ntorch.export cannot capture it either: {why_not_export}",
+                     where=fx_error.where, hint=fx_error.hint) from fx_error
+
+
+def _export_blocker(model: nn.Module, leaf_modules: tuple[str, ...]) -> str | None:
+    """Why "auto" must not try torch.export on ``model``, or None."""
+    if leaf_modules:
+        return "leaf_modules names modules to keep opaque, which torch.export cannot"
+    mixed = next((path for path, m in model.named_modules() if m.training != model.training),
+                 None)
+    if mixed is not None:
+        return (f"{mixed} is in {'train' if not model.training else 'eval'} mode, "
+                f"the model in {'train' if model.training else 'eval'} mode; torch.export "
+                "captures every module in one mode")
+    return None
+
+
+def _leaves_line(info: TraceInfo) -> str:
+    paths = ", ".join(f"{leaf.path} ({leaf.module_type})" for leaf in info.leaves[:3])
+    more = f" and {len(info.leaves) - 3} more" if len(info.leaves) > 3 else ""
+    return f"kept {len(info.leaves)} submodule(s) as opaque leaves: {paths}{more}"
+
+
+def _first_line(error: FxoptError) -> str:
+    return _first(error.what)
+
+
+def _first(text: str, limit: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."

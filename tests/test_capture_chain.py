@@ -1,0 +1,238 @@
+"""capture(..., capture="auto" | "fx" | "export"): which frontend captures a model, and why."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxopt
+from fxopt.capture.chain import capture
+from fxopt.capture.trace import TraceInfo, trace
+from fxopt.core.errors import ConfigError, TraceError
+
+VOCAB, WIDTH, HEADS, LENGTH = 53, 32, 4, 16
+
+
+class CausalSelfAttention(nn.Module):
+    """The causal mask is built here from the input's length: symbolic tracing cannot follow
+    ``torch.ones(T, T)`` with ``T`` a proxy, so it keeps this module as an opaque leaf."""
+
+    def __init__(self, p: float = 0.1):
+        super().__init__()
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        mask = torch.tril(torch.ones(T, T, device=x.device)).bool()
+        q, k, v = self.qkv(x).split(C, dim=-1)
+        q, k, v = (t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           dropout_p=self.p if self.training else 0.0)
+        return self.proj(a.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = CausalSelfAttention()
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
+                                 nn.Linear(4 * WIDTH, WIDTH), nn.Dropout(0.1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.ln1(h))
+        return h + self.mlp(self.ln2(h))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(LENGTH, WIDTH)
+        self.drop = nn.Dropout(0.1)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.tok.weight  # tied
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    return GPT(), torch.randint(0, VOCAB, (4, LENGTH))
+
+
+def test_auto_captures_the_gpt_with_export_and_checkpoints_it(gpt):
+    model, idx = gpt
+    gm = fxopt.optimize(model, (idx,), memory_budget=0.5)
+    report = gm.fxopt_report
+    assert report.trace.frontend == "export" and report.trace.leaves == []
+    assert not [n for n in gm.graph.nodes if n.op == "call_module"]
+    (why,) = report.trace.not_used
+    assert why[0] == "fx" and why[1].startswith("kept 2 submodule(s) as opaque leaves: ")
+    assert "blocks.0.attn (CausalSelfAttention)" in why[1]
+    checkpoint = next(p for p in report.passes if p.name == "checkpoint")
+    assert checkpoint.modified and checkpoint.stats["regions_count"] >= 1
+    assert report.verification.ok, str(report.verification)
+    text = str(report)
+    assert "captured by export (torch.export)" in text and "fx not used: kept 2" in text
+    assert report.as_dict()["trace"]["not_used"] == {"fx": why[1]}
+
+
+def test_fx_keeps_the_attention_modules_as_opaque_leaves(gpt):
+    model, idx = gpt
+    gm = capture(model, (idx,), capture="fx")
+    info = gm.meta["fxopt_trace"]
+    assert info.frontend == "fx"
+    assert [leaf.path for leaf in info.leaves] == ["blocks.0.attn", "blocks.1.attn"]
+    assert {n.target for n in gm.graph.nodes if n.op == "call_module"} >= {
+        "blocks.0.attn", "blocks.1.attn"}
+    assert info.not_used == (("export", "capture='fx' was asked for"),)
+
+
+class RootMask(nn.Module):
+    """The mask in the root's own forward: symbolic tracing fails outright."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        T = x.shape[1]
+        return self.lin(x) * torch.tril(torch.ones(T, T)).mean(1)[:, None]
+
+
+def test_export_when_symbolic_tracing_fails_at_the_root():
+    x = torch.randn(2, 5, WIDTH)
+    with pytest.raises(TraceError):
+        capture(RootMask(), (x,), capture="fx")
+    gm = capture(RootMask(), (x,))
+    info = gm.meta["fxopt_trace"]
+    assert info.frontend == "export"
+    (name, why), = info.not_used
+    assert name == "fx" and why.startswith("torch.fx cannot trace RootMask.forward")
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else -x  # reads a value: neither frontend follows it
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.gate = nn.Linear(4, 4), Gate()
+
+    def forward(self, x):
+        return self.gate(torch.relu(self.inp(x)))
+
+
+class RootGated(Gate):
+    pass
+
+
+def test_fx_with_leaves_when_export_fails_too_and_both_reasons_when_neither_works():
+    x = torch.randn(3, 4)
+    gm = capture(Gated(), (x,))
+    info = gm.meta["fxopt_trace"]
+    assert info.frontend == "fx" and [leaf.path for leaf in info.leaves] == ["gate"]
+    (name, why), = info.not_used
+    assert name == "export" and why.startswith("torch.export cannot capture Gated.forward")
+    with pytest.raises(TraceError) as error:
+        capture(RootGated(), (x,))
+    assert error.value.what.startswith("torch.fx cannot trace RootGated.forward")
+    assert "torch.export cannot capture it either: torch.export cannot capture" in \
+        error.value.what
+
+
+def test_auto_does_not_export_frozen_submodules_or_leaf_modules_and_validates_the_option():
+    x = torch.randn(3, 4)
+    frozen = Gated()
+    frozen.inp.eval()  # export would capture it in train mode with the rest
+    (why,) = capture(frozen, (x,)).meta["fxopt_trace"].not_used
+    assert why == ("export", "inp is in eval mode, the model in train mode; torch.export "
+                             "captures every module in one mode")
+    gm = capture(Gated(), (x,), leaf_modules=("inp",))
+    assert gm.meta["fxopt_trace"].frontend == "fx"
+    assert "leaf_modules" in gm.meta["fxopt_trace"].not_used[0][1]
+    with pytest.raises(ConfigError, match="leaf_modules"):
+        capture(Gated(), (x,), capture="export", leaf_modules=("inp",))
+    with pytest.raises(ConfigError) as error:
+        fxopt.optimize(Gated(), (x,), capture="bogus")
+    assert "'bogus'" in error.value.what and "auto, fx, export" in error.value.hint
+
+
+class Residual(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.relu(x + self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))))
+
+
+class SmallResNet(nn.Module):
+    """torchvision's ResNet in miniature: stem, residual blocks, pooling, classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                                  nn.ReLU(inplace=True))
+        self.layer1 = nn.Sequential(Residual(8), Residual(8))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.layer1(self.stem(x))), 1))
+
+
+def test_auto_keeps_the_module_level_graph_of_a_fully_traceable_cnn():
+    torch.manual_seed(0)
+    model, x = SmallResNet(), torch.randn(2, 3, 16, 16)
+    gm = fxopt.optimize(model, (x,), passes=[])
+    info = gm.fxopt_report.trace
+    assert info.frontend == "fx" and info.leaves == []
+    assert info.not_used == (("export", "symbolic tracing captured the whole model"),)
+    expected = [(n.op, n.target) for n in trace(model, (x,)).graph.nodes]
+    assert [(n.op, n.target) for n in gm.graph.nodes] == expected
+    assert ("call_module", "layer1.0.conv1") in expected
+    assert "captured by fx (symbolic tracing)" in str(gm.fxopt_report)
+
+
+def test_trace_info_pickled_before_the_frontend_fields_loads_with_their_defaults():
+    old = TraceInfo()
+    del old.frontend, old.not_used  # what unpickling an older TraceInfo leaves in __dict__
+    loaded = pickle.loads(pickle.dumps(old))
+    assert "frontend" not in vars(loaded)
+    assert loaded.frontend == "fx" and loaded.not_used == ()
+
+
+def test_a_report_saved_before_the_frontend_fields_still_prints():
+    from pathlib import Path
+
+    saved = torch.load(Path(__file__).parent / "data" / "legacy_checkpointed_module.pt",
+                       weights_only=False)
+    report = saved["module"].fxopt_report
+    assert "frontend" not in vars(report.trace)
+    assert "captured by fx (symbolic tracing)" in str(report)
+    assert report.as_dict()["trace"]["not_used"] == {}
