@@ -35,16 +35,20 @@ from dataclasses import dataclass
 import torch
 
 import models_zoo
-from fxopt.bench.environment import device_name
 from fxopt.analysis import estimate_peak
 from fxopt.api import optimize
+from fxopt.bench.environment import device_name
+from fxopt.bench.peers import build_peer
 from fxopt.bench.runs import step_peak_bytes
-from fxopt.measure.timing import timed_against
-from fxopt.planning.budget import activation_bytes, budget_fraction, trainable_grad_bytes
+from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError
 from fxopt.measure.peaks import measure_train_step
-from fxopt.bench.peers import build_peer
-from fxopt.capture.trace import trace
+from fxopt.measure.timing import timed_against
+from fxopt.planning.budget import (
+    activation_bytes,
+    budget_fraction,
+    trainable_grad_bytes,
+)
 from fxopt.verify.equivalence import verify
 
 # Inputs where activations, not weights, dominate a training step, yet a CPU step stays seconds.

@@ -25,12 +25,11 @@ import sys
 import torch
 
 import models_zoo
-from fxopt.bench.environment import device_name
 from fxopt.api import optimize
-from fxopt.measure.timing import timed_against
-from fxopt.core.errors import FxoptError
+from fxopt.bench.environment import device_name
 from fxopt.capture.trace import trace
-
+from fxopt.core.errors import FxoptError
+from fxopt.measure.timing import timed_against
 
 CUDA_SIZES = {"odd_channel_cnn": (256, None), "transformer_lm": (16, 256)}
 CPU_SIZES = {"odd_channel_cnn": (16, None), "transformer_lm": (2, 16)}

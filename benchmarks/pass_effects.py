@@ -19,13 +19,12 @@ import sys
 import torch
 
 import models_zoo
-from fxopt.bench.environment import device_name
 from fxopt.api import optimize
-from fxopt.measure.timing import timed_against
+from fxopt.bench.environment import device_name
+from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError
 from fxopt.measure.peaks import format_bytes, measure
-from fxopt.capture.trace import trace
-
+from fxopt.measure.timing import timed_against
 
 
 def stages(budget: float | None) -> list[list]:

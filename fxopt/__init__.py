@@ -21,7 +21,13 @@ from fxopt.core.errors import (
     PassError,
     TraceError,
 )
-from fxopt.measure import MemoryFigure, MemoryReport, measure, measure_inference, measure_train_step
+from fxopt.measure import (
+    MemoryFigure,
+    MemoryReport,
+    measure,
+    measure_inference,
+    measure_train_step,
+)
 from fxopt.measure.report import Report
 from fxopt.rewrite.boxed import release_inputs
 from fxopt.rewrite.pass_base import PassResult

@@ -35,16 +35,16 @@ from typing import Any
 from torch import fx
 
 from fxopt.analysis import estimate_peak
+from fxopt.capture.meta import placeholder_values, refresh_meta
+from fxopt.capture.trace import graph_module_like
+from fxopt.core.torch_private import copy_codegen
 from fxopt.planning.budget import activation_bytes, budget_bytes, trainable_grad_bytes
 from fxopt.planning.checkpoint_problem import build_problem
-from fxopt.capture.meta import placeholder_values, refresh_meta
-from fxopt.core.torch_private import copy_codegen
-from fxopt.rewrite.pass_base import PassResult, mark_new
-from fxopt.runtime.regions import CheckpointedRegion, call_region
-from fxopt.capture.trace import graph_module_like
 from fxopt.planning.checkpoint_search import search_plan
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
+from fxopt.rewrite.pass_base import PassResult, mark_new
 from fxopt.rewrite.subgraph import extract_subgraph, region_io
+from fxopt.runtime.regions import CheckpointedRegion, call_region
 
 PASS_NAME = "checkpoint"
 

@@ -39,12 +39,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from fxopt.core.torch_private import tree_map_only
 
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.capture.meta import placeholder_values, refresh_meta
 from fxopt.core.modules import call_hooks, has_hooks
 from fxopt.core.tensors import storage_key
+from fxopt.core.torch_private import tree_map_only
 from fxopt.rewrite.pass_base import PassResult, mark_new
 
 PASS_NAME = "inplace_activations"

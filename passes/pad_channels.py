@@ -45,10 +45,25 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from fxopt.core.errors import ConfigError
 from fxopt.capture.meta import refresh_meta
-from fxopt.planning.pad_plan import AnchorPlan, NormPlan, Operand, Padded, PadPlan, Resize, plan_padding
-from fxopt.planning.pad_policy import OPS, Timer, TimingCase, default_decider, pad_list, padding_pays
+from fxopt.core.errors import ConfigError
+from fxopt.planning.pad_plan import (
+    AnchorPlan,
+    NormPlan,
+    Operand,
+    Padded,
+    PadPlan,
+    Resize,
+    plan_padding,
+)
+from fxopt.planning.pad_policy import (
+    OPS,
+    Timer,
+    TimingCase,
+    default_decider,
+    pad_list,
+    padding_pays,
+)
 from fxopt.rewrite.pass_base import PassResult, mark_new
 
 PASS_NAME = "pad_channels"

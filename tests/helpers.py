@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.rewrite.invariants import graph_problems, snapshot
-from fxopt.measure.peaks import measure_train_step
-from fxopt.rewrite.pass_base import PassResult
 from fxopt.capture.trace import trace
+from fxopt.measure.peaks import measure_train_step
+from fxopt.rewrite.invariants import graph_problems, snapshot
+from fxopt.rewrite.pass_base import PassResult
 from fxopt.verify.equivalence import verify
 
 

@@ -25,10 +25,10 @@ from fxopt.analysis import (
     max_batch_size,
     saved_for_backward,
 )
-from fxopt.core.errors import BudgetError, InputError
-from fxopt.measure.peaks import measure_inference, measure_train_step
 from fxopt.capture.meta import placeholder_values
 from fxopt.capture.trace import trace
+from fxopt.core.errors import BudgetError, InputError
+from fxopt.measure.peaks import measure_inference, measure_train_step
 
 
 def by_name(gm: fx.GraphModule) -> dict[str, fx.Node]:

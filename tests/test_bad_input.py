@@ -13,13 +13,13 @@ from collections import namedtuple
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Snapshot, TiedEmbedding
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fxopt
 import passes as pass_registry
 from fxopt.rewrite.pass_base import PassResult
-from helpers import Snapshot, TiedEmbedding
 
 Pair = namedtuple("Pair", "main aux")
 

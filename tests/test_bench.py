@@ -3,11 +3,11 @@
 import torch
 from torch import nn
 
-from fxopt.measure.allocations import peak_allocated_during
-from fxopt.bench.runs import bench, format_table, step_peak_bytes
-from fxopt.measure.peaks import measure_train_step
 from fxopt.bench.peers import build_peer, single_value_cuts
+from fxopt.bench.runs import bench, format_table, step_peak_bytes
 from fxopt.capture.trace import trace
+from fxopt.measure.allocations import peak_allocated_during
+from fxopt.measure.peaks import measure_train_step
 from fxopt.verify.equivalence import verify
 
 

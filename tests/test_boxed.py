@@ -5,10 +5,9 @@ import torch
 from torch import nn
 
 import fxopt
-
-from fxopt.rewrite.boxed import release_inputs
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.capture.trace import trace
+from fxopt.rewrite.boxed import release_inputs
 
 
 class Widen(nn.Module):

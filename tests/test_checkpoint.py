@@ -4,17 +4,17 @@ import contextlib
 
 import pytest
 import torch
+from helpers import check_pass, compact
 from torch import nn
 
 import fxopt
 import fxopt.analysis.costmodel
 import fxopt.runtime.regions
+from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError
 from fxopt.core.state import preserved_state
 from fxopt.measure.peaks import measure_inference, measure_train_step
-from fxopt.capture.trace import trace
 from fxopt.verify.equivalence import verify
-from helpers import check_pass, compact
 from passes.checkpoint import checkpoint
 
 

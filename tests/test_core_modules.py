@@ -7,8 +7,14 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxopt.capture.trace import trace
-from fxopt.core.modules import (HOOK_DICTS, MODULE_CONTAINERS, call_hooks, copy_hooks,
-                                has_hooks, structural_copy)
+from fxopt.core.modules import (
+    HOOK_DICTS,
+    MODULE_CONTAINERS,
+    call_hooks,
+    copy_hooks,
+    has_hooks,
+    structural_copy,
+)
 
 
 class Block(nn.Module):

@@ -7,8 +7,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxopt.capture.fake_run import fake_copy
 from fxopt.capture.meta import propagate_meta
-from fxopt.core.tensors import (allocated_bytes, device_of, graph_device, module_device,
-                                storage_bytes, storage_key, tensor_bytes, tensors_in)
+from fxopt.core.tensors import (
+    allocated_bytes,
+    device_of,
+    graph_device,
+    module_device,
+    storage_bytes,
+    storage_key,
+    tensor_bytes,
+    tensors_in,
+)
 from fxopt.measure.allocations import cuda_peak_during
 
 

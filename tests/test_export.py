@@ -14,9 +14,9 @@ from torch import nn
 import fxopt
 import fxopt.export.codegen
 import models_zoo
+from fxopt.cli.targets import load_target
 from fxopt.core.errors import EquivalenceError
 from fxopt.export.writer import ExportError, export, load_exported
-from fxopt.cli.targets import load_target
 
 TINY_NET = '''
 import torch

@@ -21,13 +21,13 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import Snapshot
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from random_models import NetSpec, Op, build, net_specs
 
 import fxopt
 import passes as pass_registry
-from helpers import Snapshot
-from random_models import NetSpec, Op, build, net_specs
 
 PROFILE = os.environ.get("FXOPT_HYPOTHESIS_PROFILE", "ci")
 # ci: about 45 s on 2 shared CPU cores (the budget is 90 s); other profiles: their own count,

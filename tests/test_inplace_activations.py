@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import check_pass
 from torch import nn
 
 from fxopt.capture.trace import trace
-from helpers import check_pass
 from passes.inplace_activations import inplace_activations
 
 

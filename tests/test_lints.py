@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import models_zoo
-from fxopt.measure.advice import TIPS, run_lints
 from fxopt.capture.trace import trace
+from fxopt.measure.advice import TIPS, run_lints
 
 
 def _lints(model, x, **options):

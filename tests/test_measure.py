@@ -6,8 +6,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
-from fxopt.measure.peaks import format_bytes, measure, measure_inference, measure_train_step
 from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.measure.peaks import (
+    format_bytes,
+    measure,
+    measure_inference,
+    measure_train_step,
+)
 
 F32 = 4
 

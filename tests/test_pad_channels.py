@@ -6,17 +6,17 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import check_pass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import fx, nn
 
 import fxopt
 import models_zoo
+from fxopt.capture.trace import trace
 from fxopt.core.errors import ConfigError
 from fxopt.planning.pad_policy import Decider, TimingCase, padding_pays, time_case
-from fxopt.capture.trace import trace
 from fxopt.verify.equivalence import verify
-from helpers import check_pass
 from passes.pad_channels import pad_channels
 
 FORCED = {"force": True}

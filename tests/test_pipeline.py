@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import fx, nn
 
-from fxopt.rewrite.registry import PassRegistry, PassSpec
+from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError, ConfigError, InputError, PassError
 from fxopt.rewrite.pass_base import PassResult, mark_new
 from fxopt.rewrite.pipeline import Config, parse_pass_spec, run_passes
-from fxopt.capture.trace import trace
+from fxopt.rewrite.registry import PassRegistry, PassSpec
 
 
 def _noop(gm, *, scale: float = 1.0):

@@ -1,14 +1,14 @@
 """passes.reorder: a memory-aware schedule where the written order keeps two temporaries alive."""
 
 import torch
+from helpers import check_pass
 from torch import fx, nn
 
 from fxopt.analysis import alias_classes
-from fxopt.measure.peaks import measure_inference, measure_train_step
 from fxopt.capture.trace import trace
-from fxopt.verify.equivalence import verify
-from helpers import check_pass
+from fxopt.measure.peaks import measure_inference, measure_train_step
 from fxopt.planning.schedule import candidate_orders, dependencies, static_peak
+from fxopt.verify.equivalence import verify
 from passes.reorder import reorder
 
 

@@ -101,8 +101,8 @@ def test_generous_budget_plans_nothing():
 
 def test_solver_time_on_resnet152_sized_graph():
     import models_zoo
-    from fxopt.planning.checkpoint_problem import build_problem
     from fxopt.capture.trace import trace
+    from fxopt.planning.checkpoint_problem import build_problem
 
     model, inputs = models_zoo.build("resnet152", 1)
     problem, _forward = build_problem(trace(model, inputs))

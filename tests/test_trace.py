@@ -3,12 +3,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TiedEmbedding
 from torch import nn
 
-from fxopt.core.errors import InputError, TraceError
 from fxopt.capture.trace import trace
+from fxopt.core.errors import InputError, TraceError
 from fxopt.core.modules import structural_copy
-from helpers import TiedEmbedding
 
 
 class DataDependentGate(nn.Module):

@@ -30,8 +30,8 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxopt.capture.meta import placeholder_values, propagate_meta
 from fxopt.analysis.node_timing import forward_seconds
+from fxopt.capture.meta import placeholder_values, propagate_meta
 from fxopt.core.tensors import graph_device, tensor_bytes
 from fxopt.core.torch_private import TorchDispatchMode
 from fxopt.runtime.regions import is_heavy

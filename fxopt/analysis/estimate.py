@@ -34,13 +34,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from fxopt.core.torch_private import FakeTensorMode
 
-from fxopt.core.errors import BudgetError, InputError
-from fxopt.capture.fake_run import on_fake_tensors, opaque_leaves_stood_in, training_flags
 from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.capture.fake_run import (
+    on_fake_tensors,
+    opaque_leaves_stood_in,
+    training_flags,
+)
+from fxopt.core.errors import BudgetError, InputError
 from fxopt.core.step import as_args, training_step
 from fxopt.core.tensors import storage_bytes, tensors_in
+from fxopt.core.torch_private import FakeTensorMode
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from fxopt.core.torch_private import TorchDispatchMode
 
 from fxopt.core.tensors import allocated_bytes, storage_key, tensors_in
+from fxopt.core.torch_private import TorchDispatchMode
 
 
 @dataclass

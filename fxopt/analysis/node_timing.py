@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 from torch import fx
-from fxopt.core.torch_private import tree_map_only
 
 from fxopt.capture.fake_run import training_flags
 from fxopt.capture.meta import placeholder_values
 from fxopt.core.state import preserved_state
 from fxopt.core.tensors import graph_device, random_like, tensors_in
+from fxopt.core.torch_private import tree_map_only
 
 _CALLS = ("call_function", "call_method", "call_module")
 

@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
-from fxopt.core.torch_private import tree_map_only
 
+from fxopt.capture.fake_run import FakeRun, fake_copy, on_fake_tensors, training_flags
 from fxopt.core.errors import TraceError
 from fxopt.core.tensors import storage_bytes, storage_key, tensors_in
-from fxopt.capture.fake_run import FakeRun, fake_copy, on_fake_tensors, training_flags
+from fxopt.core.torch_private import tree_map_only
 
 CALL_OPS = ("call_function", "call_method", "call_module")
 

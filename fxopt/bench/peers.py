@@ -28,11 +28,11 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from fxopt.core.torch_private import compile_backend, min_cut_memory_budget
-from fxopt.rewrite.subgraph import extract_subgraph
 from fxopt.capture.trace import trace
 from fxopt.core.modules import structural_copy
 from fxopt.core.tensors import module_device
+from fxopt.core.torch_private import compile_backend, min_cut_memory_budget
+from fxopt.rewrite.subgraph import extract_subgraph
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxopt.measure.allocations import peak_allocated_during
-from fxopt.measure.timing import fresh_training_step, timed_against
 from fxopt.api import optimize
-from fxopt.planning.budget import activation_bytes, budget_fraction, trainable_grad_bytes
-from fxopt.core.errors import FxoptError
-from fxopt.measure.peaks import format_bytes
 from fxopt.bench.peers import PEERS, build_peer
+from fxopt.core.errors import FxoptError
 from fxopt.core.state import preserved_state
 from fxopt.core.step import as_args, training_step
 from fxopt.core.tensors import module_device
+from fxopt.measure.allocations import peak_allocated_during
+from fxopt.measure.peaks import format_bytes
+from fxopt.measure.timing import fresh_training_step, timed_against
+from fxopt.planning.budget import (
+    activation_bytes,
+    budget_fraction,
+    trainable_grad_bytes,
+)
 from fxopt.verify.equivalence import verify
 
 Progress = Callable[[int, int, str], None]

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from fxopt.core.torch_private import tree_leaves
 
 from fxopt.core.errors import InputError
 from fxopt.core.step import as_args
+from fxopt.core.torch_private import tree_leaves
 
 PLAIN = (type(None), bool, int, float, str)
 

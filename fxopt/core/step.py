@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from fxopt.core.torch_private import tree_flatten
 
 COTANGENT_SEED = 1234

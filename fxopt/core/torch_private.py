@@ -21,8 +21,21 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+# Fake tensors and dispatch modes.
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.fx.graph import CodeGen, _BoxedCodeGen
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+from torch.nn.modules.dropout import _DropoutNd as DropoutBase
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
 # Pytrees: torch 2.14 has no public pytree module.
-from torch.utils._pytree import (  # noqa: F401  (re-exported)
+from torch.utils._pytree import (
     TreeSpec,
     keystr,
     tree_flatten,
@@ -33,18 +46,6 @@ from torch.utils._pytree import (  # noqa: F401  (re-exported)
     tree_structure,
     tree_unflatten,
 )
-# Fake tensors and dispatch modes.
-from torch._subclasses.fake_tensor import (  # noqa: F401
-    FakeTensor,
-    FakeTensorMode,
-    unset_fake_temporarily,
-)
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
-from torch.fx.graph import CodeGen, _BoxedCodeGen
-from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: F401
-from torch.nn.modules.dropout import _DropoutNd as DropoutBase  # noqa: F401
 
 _FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
@@ -137,3 +138,39 @@ def compile_backend(name: str) -> Any:
     from torch._dynamo import lookup_backend
 
     return lookup_backend(name)
+
+__all__ = [
+    "BatchNormBase",
+    "CodeGen",
+    "DropoutBase",
+    "FakeTensor",
+    "FakeTensorMode",
+    "MKLDNN_RNN_WORKSPACE_INDEX",
+    "RNN_WEIGHT_CACHES",
+    "TorchDispatchMode",
+    "TreeSpec",
+    "boxed_codegen",
+    "codegen_of",
+    "compile_backend",
+    "copy_codegen",
+    "disable_current_modes",
+    "fx",
+    "has_plain_codegen",
+    "keeps_rnn_weight_cache",
+    "keystr",
+    "min_cut_memory_budget",
+    "nn",
+    "quiet_fake_tensor_logs",
+    "rebuild_rnn_weights",
+    "reparametrize_module",
+    "storage_id",
+    "tensor_metadata",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_leaves",
+    "tree_map",
+    "tree_map_only",
+    "tree_structure",
+    "tree_unflatten",
+    "unset_fake_temporarily",
+]

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from fxopt.core.errors import ExportError
-from fxopt.export.names import Imports
-from fxopt.export.module_tree import TreeWriter, called_modules
 from fxopt.capture.train_eval import dispatch_to_method, eval_graph
+from fxopt.core.errors import ExportError
+from fxopt.export.module_tree import TreeWriter, called_modules
+from fxopt.export.names import Imports
 from fxopt.runtime.regions import CheckpointedRegion
 
 # The method an exported module runs in eval mode when its forward depends on self.training

@@ -30,7 +30,12 @@ import torch
 from torch import fx, nn
 
 from fxopt.core.errors import ExportError
-from fxopt.core.modules import HOOK_DICTS, non_persistent_buffers, own_children, own_tensors
+from fxopt.core.modules import (
+    HOOK_DICTS,
+    non_persistent_buffers,
+    own_children,
+    own_tensors,
+)
 from fxopt.core.torch_private import RNN_WEIGHT_CACHES, keeps_rnn_weight_cache
 from fxopt.export.names import Imports
 

@@ -40,10 +40,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.export.codegen import generate, python_identifier
 from fxopt.core.errors import ExportError
-from fxopt.core.tensors import module_device
 from fxopt.core.step import as_args
+from fxopt.core.tensors import module_device
+from fxopt.export.codegen import generate, python_identifier
 from fxopt.verify.equivalence import VerifyReport, verify
 
 FORMAT = "fxopt.export/1"

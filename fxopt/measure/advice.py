@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import passes
-from fxopt.core.torch_private import BatchNormBase, DropoutBase
 from fxopt.core.tensors import storage_bytes
+from fxopt.core.torch_private import BatchNormBase, DropoutBase
 from fxopt.measure.peaks import format_bytes
 
 TIPS = {  # the seed document (/work/shared/seeds) and the tip in it

@@ -23,11 +23,11 @@ from typing import Any
 from torch import fx, nn
 
 from fxopt.analysis import saved_for_backward
-from fxopt.measure.advice import user_source_line
-from fxopt.measure.peaks import MemoryFigure, format_bytes, measure_train_step
 from fxopt.capture.meta import placeholder_values
 from fxopt.capture.trace import trace
 from fxopt.core.tensors import storage_bytes, tensors_in
+from fxopt.measure.advice import user_source_line
+from fxopt.measure.peaks import MemoryFigure, format_bytes, measure_train_step
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from typing import Any
 from torch import nn
 
 from fxopt.analysis import estimate_peak
-from fxopt.measure.timing import timed_against
-from fxopt.measure.peaks import format_bytes, measure
 from fxopt.core.step import as_args
+from fxopt.measure.peaks import format_bytes, measure
+from fxopt.measure.timing import timed_against
 
 
 @dataclass(frozen=True)

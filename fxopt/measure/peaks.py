@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.core.inputs import refuse_meta_tensors
 from fxopt.core.state import preserved_state
 from fxopt.core.step import as_args, training_step
-from fxopt.core.inputs import refuse_meta_tensors
 from fxopt.core.tensors import module_device, storage_bytes
 from fxopt.measure.allocations import cuda_peak_during
 

@@ -12,11 +12,11 @@ from torch import fx
 
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.analysis.costmodel import node_costs
+from fxopt.analysis.writes import overwritten_inputs
 from fxopt.capture.meta import placeholder_values
 from fxopt.core.tensors import allocated_bytes, tensor_bytes
-from fxopt.runtime.regions import call_region
 from fxopt.planning.solver import CheckpointProblem, NodeInfo
-from fxopt.analysis.writes import overwritten_inputs
+from fxopt.runtime.regions import call_region
 
 _CALL_OPS = ("call_function", "call_method", "call_module")
 

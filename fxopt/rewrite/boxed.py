@@ -19,10 +19,11 @@ on ``self.training`` (``fxopt.capture.train_eval``) or takes pytree-structured a
 from __future__ import annotations
 
 from torch import fx
+
+from fxopt.capture.trace import graph_module_like
+from fxopt.capture.train_eval import has_eval_graph
 from fxopt.core.errors import ConfigError
 from fxopt.core.torch_private import boxed_codegen, codegen_of, has_plain_codegen
-from fxopt.capture.train_eval import has_eval_graph
-from fxopt.capture.trace import graph_module_like
 
 
 def release_inputs(gm: fx.GraphModule) -> fx.GraphModule:

@@ -44,13 +44,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from fxopt.core.torch_private import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
 from fxopt.core.errors import EquivalenceError, FxoptError, InputError
 from fxopt.core.inputs import refuse_meta_tensors
-from fxopt.verify.rounding import explainable_by_rounding, recheck_in_float64
 from fxopt.core.state import preserved_state
 from fxopt.core.step import as_args, backward_from
+from fxopt.core.torch_private import (
+    keystr,
+    tree_flatten_with_path,
+    tree_map,
+    tree_unflatten,
+)
+from fxopt.verify.rounding import explainable_by_rounding, recheck_in_float64
 from fxopt.verify.tensor_diff import (
     DEFAULT_TOLERANCES,
     Mismatch,

@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from fxopt.core.torch_private import keystr, tree_flatten_with_path, tree_leaves, tree_map
+
+from fxopt.core.torch_private import (
+    keystr,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_map,
+)
 
 ACCURACY_FACTOR = 10.0
 

@@ -16,9 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fxopt.core.torch_private import TreeSpec, keystr, tree_flatten_with_path, tree_structure
 
 from fxopt.core.errors import ConfigError
+from fxopt.core.torch_private import (
+    TreeSpec,
+    keystr,
+    tree_flatten_with_path,
+    tree_structure,
+)
 
 # dtype -> (rtol, atol); an element passes when
 #     |candidate - reference| <= atol * min(1, scale) + rtol * |reference|   (scale: see below).

@@ -1,0 +1,138 @@
+"""fxopt's dependence on private torch APIs, listed and checked in one place.
+
+``fxopt/core/torch_private.py`` is the only module that reaches into torch's private modules and
+attributes (nn.Module's own containers excepted: ``fxopt/core/modules.py``). The first tests
+check that everything it relies on still exists and behaves as assumed in the installed torch:
+a torch upgrade that breaks one of them fails here, by name. The last one scans fxopt for private
+torch use anywhere else.
+"""
+
+import ast
+import inspect
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import fx, nn
+
+from fxopt.core import torch_private as private
+from fxopt.core.modules import HOOK_DICTS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_reparametrize_module_swaps_and_restores_with_tied_weights():
+    assert "tie_weights" in inspect.signature(private._reparametrize_module).parameters
+    model = nn.Linear(2, 2)
+    weight = model.weight
+    with private.reparametrize_module(model, {"weight": torch.zeros(2, 2)}):
+        assert torch.equal(model.weight, torch.zeros(2, 2))
+    assert model.weight is weight
+
+
+def test_graph_code_generators():
+    graph = fx.symbolic_trace(nn.ReLU()).graph
+    assert private.has_plain_codegen(graph)
+    assert isinstance(private.boxed_codegen(), private.CodeGen)
+    other = fx.Graph()
+    private.copy_codegen(graph, other)
+    assert private.codegen_of(other) is private.codegen_of(graph)
+
+
+def test_storage_id_is_shared_by_views_and_differs_between_storages():
+    x = torch.randn(4, 4)
+    assert private.storage_id(x.untyped_storage()) == private.storage_id(x[1:].untyped_storage())
+    assert private.storage_id(x.untyped_storage()) != private.storage_id(
+        x.clone().untyped_storage())
+
+
+def test_rnn_weight_cache_and_mkldnn_workspace():
+    lstm = nn.LSTM(3, 4)
+    assert private.keeps_rnn_weight_cache(lstm) and not private.keeps_rnn_weight_cache(nn.ReLU())
+    assert private.RNN_WEIGHT_CACHES <= set(vars(lstm))
+    assert private.rebuild_rnn_weights(lstm) and not private.rebuild_rnn_weights(nn.ReLU())
+    returns = torch.ops.aten.mkldnn_rnn_layer.default._schema.returns
+    assert len(returns) > private.MKLDNN_RNN_WORKSPACE_INDEX
+
+
+def test_fake_tensors_and_dispatch_modes():
+    with private.FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.randn(2, 3))
+        assert isinstance(fake, private.FakeTensor)
+        with private.disable_current_modes():
+            assert not isinstance(torch.ones(1), private.FakeTensor)
+    assert issubclass(private.TorchDispatchMode, object)
+    meta = private.tensor_metadata(torch.randn(2, 3))
+    assert tuple(meta.shape) == (2, 3) and meta.dtype == torch.float32
+
+
+def test_quiet_fake_tensor_logs_is_scoped():
+    logger = logging.getLogger(private._FAKE_TENSOR_LOGGER)
+    level = logger.level
+    with private.quiet_fake_tensor_logs():
+        assert logger.level == logging.CRITICAL
+    assert logger.level == level
+
+
+def test_module_base_classes_and_compile_knobs():
+    assert isinstance(nn.BatchNorm2d(3), private.BatchNormBase)
+    assert isinstance(nn.Dropout2d(), private.DropoutBase)
+    assert callable(private.compile_backend("aot_eager_decomp_partition"))
+    with private.min_cut_memory_budget(0.25):
+        from torch._functorch import config
+        assert config.activation_memory_budget == 0.25
+
+
+# Private torch names fxopt code may only touch through fxopt.core.torch_private.
+PRIVATE_ATTRIBUTES = {"_codegen", "_cdata", "_flat_weights", "_flat_weight_refs",
+                      "_init_flat_weights", "_dynamo", "_functorch", "_subclasses", "_pytree",
+                      "_python_dispatch"}
+# nn.Module's own per-instance containers: core/modules.py reads them.
+MODULE_CONTAINERS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+                     *HOOK_DICTS}
+
+
+def private_uses(source: str, *, containers_allowed: bool) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            parts = node.module.split(".")
+            if any(p.startswith("_") for p in parts) or any(
+                    a.name.startswith("_") for a in node.names):
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("torch") and any(
+                        p.startswith("_") for p in alias.name.split(".")):
+                    found.append(f"line {node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.Attribute):
+            own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            banned = PRIVATE_ATTRIBUTES | (set() if containers_allowed else MODULE_CONTAINERS)
+            if node.attr in banned and not own:
+                found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+def test_no_private_torch_use_outside_torch_private():
+    allowed = {ROOT / "fxopt/core/torch_private.py"}
+    offenders = {}
+    for path in [*ROOT.glob("fxopt/**/*.py"), *ROOT.glob("passes/*.py")]:
+        if path in allowed:
+            continue
+        uses = private_uses(path.read_text(),
+                            containers_allowed=path == ROOT / "fxopt/core/modules.py")
+        if uses:
+            offenders[str(path.relative_to(ROOT))] = uses
+    assert offenders == {}
+
+
+def test_the_scan_sees_each_kind_of_private_use():
+    planted = ("from torch._subclasses.fake_tensor import FakeTensorMode\n"
+               "import torch.utils._pytree as pytree\n"
+               "from torch.nn.utils.stateless import _reparametrize_module\n"
+               "gm.graph._codegen\n"
+               "module._parameters\n"
+               "self._parameters\n")
+    assert len(private_uses(planted, containers_allowed=False)) == 5
+    assert len(private_uses(planted, containers_allowed=True)) == 4
