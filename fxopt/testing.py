@@ -19,10 +19,8 @@ equivalence failures.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from fxopt.check import check_equivalence
@@ -30,25 +28,15 @@ from fxopt.check import check_equivalence
 __all__ = ["assert_equivalent"]
 
 
-def assert_equivalent(
-    model: nn.Module,
-    inputs: Any,
-    *,
-    passes: Any = None,
-    memory_budget: int | float | str | None = None,
-    seeds: Sequence[int] = (0, 1),
-    batch_sizes: Sequence[int] | None = None,
-    tolerances: dict[torch.dtype, tuple[float, float]] | None = None,
-    leaf_modules: tuple[str, ...] = (),
-    capture: str = "auto",
-) -> fx.GraphModule:
-    """Optimize ``model`` and assert it is equivalent on several inputs; return it. ``capture``
-    is ``fxopt.optimize``'s capture frontend option ("auto", "fx" or "export")."""
+def assert_equivalent(model: nn.Module, inputs: Any, **options: Any) -> fx.GraphModule:
+    """Optimize ``model`` and assert it is equivalent on several inputs; return it.
+
+    ``options`` are ``fxopt.check.check_equivalence``'s: ``passes``, ``memory_budget``,
+    ``seeds`` (default (0, 1)), ``batch_sizes`` (default: the example's), ``tolerances``,
+    ``leaf_modules`` and ``capture`` ("auto", "fx" or "export").
+    """
     __tracebackhide__ = True  # pytest shows the caller's line, not this one
-    result, optimized = check_equivalence(
-        model, inputs, passes=passes, memory_budget=memory_budget, seeds=seeds,
-        batch_sizes=batch_sizes, tolerances=tolerances, leaf_modules=leaf_modules,
-        capture=capture)
+    result, optimized = check_equivalence(model, inputs, **options)
     if not result.ok:
         raise AssertionError(result.failure_message())
     return optimized

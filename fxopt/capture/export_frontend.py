@@ -74,10 +74,8 @@ This module runs the export and unlifts its program into the GraphModule. The pi
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,11 +89,12 @@ from fxopt.capture.export_signature import (
     bind_example,
     signature_placeholders,
 )
-from fxopt.capture.meta import propagate_meta
+from fxopt.capture.fake_run import module_state, training_flags
 from fxopt.capture.recipes import build, emit, extract, flatten, leaf_paths
 from fxopt.capture.trace import TraceInfo, graph_module_like
 from fxopt.capture.trace_checks import (
     UserCheckpoint,
+    propagate_meta_explained,
     user_checkpoints_refused,
     user_frame,
 )
@@ -156,35 +155,19 @@ class _Flat(nn.Module):
         args = [build(self.call.given[name], tensors) for name in self.call.positional]
         kwargs = {name: build(self.call.given[name], tensors) for name in self.call.keywords}
         inner = getattr(self, _INNER)
-        before = _state(inner)
+        before = module_state(inner)
         output = inner(*args, **kwargs)
-        after = _state(inner)
+        after = module_state(inner)
         self.recorder.reassigned = [name for name, t in before.items() if after.get(name) is not t]
         leaves: list = []
         self.recorder.out_recipe = flatten(output, leaves, "output", symbolic=True)
         return tuple(leaves)
 
 
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False))}
-
-
 @dataclass
 class _Exported:
     program: Any  # torch.export.ExportedProgram
     out_recipe: Any
-
-
-@contextlib.contextmanager
-def _all_modules_in(module: nn.Module, training: bool) -> Iterator[None]:
-    flags = [(m, m.training) for m in module.modules()]
-    module.train(training)
-    try:
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
 
 
 def _export(shell: nn.Module, call: _Call, example: tuple, dynamic: bool, training: bool
@@ -195,7 +178,7 @@ def _export(shell: nn.Module, call: _Call, example: tuple, dynamic: bool, traini
     if dynamic:
         shapes = (tuple({0: Dim.AUTO} if t.dim() else None for t in example),)
     try:
-        with _all_modules_in(wrapper, training), user_checkpoints_refused():
+        with training_flags(wrapper, training), user_checkpoints_refused():
             program = torch.export.export(wrapper, example, dynamic_shapes=shapes, strict=False)
     except Exception as error:
         if _caused_by(error, UserCheckpoint):
@@ -481,14 +464,6 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
 def _propagate(model: nn.Module, gm: fx.GraphModule, placeholders: list[Placeholder],
                arguments: dict[str, Any]) -> None:
     values = tuple(arguments[p.name] if p.name in arguments else p.default for p in placeholders)
-    try:
-        propagate_meta(gm, values)
-    except FxoptError:
-        raise
-    except Exception as error:
-        node = getattr(error, "_fxopt_node", None)
-        raise TraceError(
-            f"fxopt cannot compute shapes of {type(model).__name__}'s exported graph on fake "
-            f"tensors: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
-            where=f"node {node.name}" if node is not None else type(model).__name__,
-            hint="use fxopt.trace(model, inputs), or report this model to fxopt") from error
+    # export itself ran the model on these inputs: a failure here is fxopt's
+    propagate_meta_explained(model, gm, values, model_runs=True,
+                             hint="capture it with capture='fx', or report this model to fxopt")

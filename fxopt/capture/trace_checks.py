@@ -120,8 +120,12 @@ def check_state_kept(model: nn.Module, shell: nn.Module) -> None:
                         f"self.{name}.copy_(new_value))")
 
 
-def propagate_meta_explained(model: nn.Module, gm: fx.GraphModule, args: tuple) -> None:
-    """``propagate_meta``, with a failure turned into an error that says whose fault it is."""
+def propagate_meta_explained(model: nn.Module, gm: fx.GraphModule, args: tuple, *,
+                             model_runs: bool | None = None, hint: str | None = None) -> None:
+    """``propagate_meta``, with a failure turned into an error that says whose fault it is:
+    fxopt's (``TraceError``, with ``hint``) when the model itself runs on the inputs, the
+    user's (``InputError``) when it does not. ``model_runs=None`` asks by running the model's
+    train-mode forward on ``args``."""
     try:
         propagate_meta(gm, args)
     except FxoptError:
@@ -131,12 +135,12 @@ def propagate_meta_explained(model: nn.Module, gm: fx.GraphModule, args: tuple) 
         where = (f"node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)})"
                  f" at {node_source(node)}" if node is not None else "shape propagation")
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        if runs_for_real(model, args):
+        if model_runs if model_runs is not None else runs_for_real(model, args):
             raise TraceError(
                 f"fxopt could not compute shapes of {type(model).__name__} on fake tensors: "
                 f"{type(error).__name__}: {first}", where=where,
-                hint="the op has no fake-tensor (meta) kernel: keep the submodule that calls it "
-                "opaque with leaf_modules=('path.to.module',)") from error
+                hint=hint or "the op has no fake-tensor (meta) kernel: keep the submodule that "
+                "calls it opaque with leaf_modules=('path.to.module',)") from error
         raise InputError(
             f"{type(model).__name__} does not run on these example inputs: "
             f"{type(error).__name__}: {first}", where=where,
