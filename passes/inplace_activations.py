@@ -3,7 +3,11 @@
 Rewrites ReLU, ReLU6, LeakyReLU, Hardtanh, ELU, SELU, CELU, SiLU, Hardswish, Hardsigmoid and
 Mish -- module calls, ``F.relu(x)``, ``torch.relu(x)``, ``x.relu()`` -- to their in-place form,
 at one call site at a time (a module object used at several call sites is never flipped; the call
-site becomes ``F.<act>(x, ..., inplace=True)`` and the module object is left alone).
+site becomes ``F.<act>(x, ..., inplace=True)`` and the module object is left alone). On ATen
+graphs (``capture="export"``) the functional overload becomes its in-place overload with the same
+arguments (``aten.relu.default`` -> ``aten.relu_.default``; table ``_ATEN_ACTIVATIONS``, which also
+has ``aten.gelu`` -> ``aten.gelu_``: autograd says ``gelu_``, like ``relu6_``, saves a copy of its
+input, so only ``train=False`` rewrites it).
 
 A call site is rewritten only when all of these hold:
 
@@ -66,6 +70,12 @@ _MODULE_FORMS: dict[type, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] =
 _FUNCTIONAL = {form for form, _ in _MODULE_FORMS.values()}
 _TORCH_TO_INPLACE = {torch.relu: torch.relu_, torch.selu: torch.selu_, torch.celu: torch.celu_}
 _METHODS = {"relu", "selu", "celu"}
+# ATen graphs (torch.export): aten.<name>.default -> aten.<name>_.default, the same arguments
+_ATEN_ACTIVATIONS = ("relu", "relu6", "leaky_relu", "hardtanh", "elu", "selu", "celu", "silu",
+                     "hardswish", "hardsigmoid", "mish", "gelu")
+_TORCH_TO_INPLACE.update({getattr(torch.ops.aten, name).default:
+                          getattr(torch.ops.aten, f"{name}_").default
+                          for name in _ATEN_ACTIVATIONS})
 
 
 def _rewrite_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Callable, tuple, dict] | None:
@@ -182,6 +192,9 @@ def inplace_activations(gm: fx.GraphModule, *, train: bool = True) -> PassResult
         source = node.args[0]
         why_not = _safe(node, source, order, aliases, saved_by, train, hooked)
         form = (target, tuple(args[1:]), tuple(sorted(kwargs.items())))
+        if why_not is None and train and any(
+                isinstance(a, fx.Node) for a in (*form[1], *kwargs.values())):
+            why_not = "its options are computed in the graph: autograd cannot be asked"
         if why_not is None and train and form not in backward_ok:
             backward_ok[form] = _inplace_backward_saves_only_result(*form)
         if why_not is None and train and not backward_ok[form]:
@@ -193,8 +206,10 @@ def inplace_activations(gm: fx.GraphModule, *, train: bool = True) -> PassResult
             with gm.graph.inserting_after(node):
                 new = gm.graph.call_method(node.target + "_", tuple(args), kwargs)
         else:
+            # aten.relu_.default is named relu_, as torch.export names its nodes
+            name = getattr(getattr(target, "overloadpacket", None), "__name__", None)
             with gm.graph.inserting_after(node):
-                new = gm.graph.call_function(target, tuple(args), kwargs)
+                new = gm.graph.create_node("call_function", target, tuple(args), kwargs, name)
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
         mark_new(new, PASS_NAME)
         node.replace_all_uses_with(new)
@@ -212,8 +227,11 @@ def _record_rewrite(old: fx.Node, new: fx.Node, source: fx.Node, order: dict, al
                     saved_by: dict) -> None:
     """Keep the analyses true after ``old`` became ``new``, which overwrites (aliases) its input."""
     order[new] = order.pop(old)
-    aliases[new] = aliases.setdefault(source, -1 - len(aliases))
-    aliases.pop(old, None)
+    merged, was = aliases.setdefault(source, -1 - len(aliases)), aliases.pop(old, None)
+    for member, cls in aliases.items():  # views of old's result are views of source's storage now
+        if was is not None and cls == was:
+            aliases[member] = merged
+    aliases[new] = merged
     for readers in saved_by.values():
         if old in readers:
             readers.discard(old)

@@ -305,3 +305,328 @@ def test_the_pass_draws_no_random_numbers_and_keeps_no_state_between_runs():
         results.append(inplace_activations(gm).stats["rewritten"])
         assert torch.equal(torch.rand(3), expected)
     assert results[0] == results[1] and results[0]
+
+
+# -- ATen graphs (capture="export"): aten.<act>.default -> aten.<act>_.default
+
+
+from fxopt.capture.export_frontend import capture_with_export  # noqa: E402
+from fxopt.capture.train_eval import eval_graph  # noqa: E402
+from fxopt.core.tensors import storage_key  # noqa: E402
+from fxopt.measure.peaks import measure_train_step  # noqa: E402
+from fxopt.rewrite.invariants import graph_problems, snapshot  # noqa: E402
+from fxopt.verify import verify  # noqa: E402
+from helpers import compact  # noqa: E402
+from passes.inplace_activations import PASS_NAME, _TORCH_TO_INPLACE  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def _lines(text):
+    return "\n".join(line.strip() for line in text.strip().splitlines())
+
+
+def check_export_pass(model, inputs, *, train=True, golden_before=None, golden_after=None,
+                      expect_modified=True):
+    """check_pass for a module captured by torch.export (check_pass traces with torch.fx)."""
+    gm = capture_with_export(model, inputs)
+    if golden_before is not None:
+        assert compact(gm) == _lines(golden_before), compact(gm)
+    before = snapshot(gm)
+    result = inplace_activations(gm, train=train)
+    assert result.graph_module is gm
+    assert result.modified is expect_modified, result.stats
+    assert graph_problems(gm, before) == []
+    if not expect_modified:
+        assert gm.code == before.code
+    for node in gm.graph.nodes:
+        if node.name not in before.node_names:  # a rewritten site: marked, meta aliases its input
+            assert node.meta["fxopt_pass"] == PASS_NAME and node.name in result.stats["sites"]
+            assert storage_key(node.meta["val"]) == storage_key(node.args[0].meta["val"])
+    if golden_after is not None:
+        assert compact(gm) == _lines(golden_after), compact(gm)
+    code = gm.code
+    second = inplace_activations(gm, train=train)
+    assert second.modified is False and gm.code == code, second.stats
+    if train:
+        report = verify(model, gm, inputs)
+        assert report.ok, str(report)
+        reference = capture_with_export(model, inputs)
+        assert measure_train_step(gm, inputs).peak_bytes <= measure_train_step(
+            reference, inputs).peak_bytes
+    return gm, result
+
+
+class AtenActs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        h = F.relu(self.a(x))
+        h = F.leaky_relu(self.b(h), 0.2)
+        h = F.elu(self.c(h))
+        return F.silu(self.d(h))
+
+
+def test_aten_activations_become_inplace_overloads():
+    gm, result = check_export_pass(
+        AtenActs(), (torch.randn(3, 4),),
+        golden_before="""
+            x = input
+            fxopt_input_guard = fxopt_input_guard(x)
+            a_weight = @a.weight()
+            a_bias = @a.bias()
+            b_weight = @b.weight()
+            b_bias = @b.bias()
+            c_weight = @c.weight()
+            c_bias = @c.bias()
+            d_weight = @d.weight()
+            d_bias = @d.bias()
+            linear = linear.default(x, a_weight, a_bias)
+            relu = relu.default(linear)
+            linear_1 = linear.default(relu, b_weight, b_bias)
+            leaky_relu = leaky_relu.default(linear_1, 0.2)
+            linear_2 = linear.default(leaky_relu, c_weight, c_bias)
+            elu = elu.default(linear_2, 1.0)
+            linear_3 = linear.default(elu, d_weight, d_bias)
+            silu = silu.default(linear_3)
+            return silu
+        """,
+        golden_after="""
+            x = input
+            fxopt_input_guard = fxopt_input_guard(x)
+            a_weight = @a.weight()
+            a_bias = @a.bias()
+            b_weight = @b.weight()
+            b_bias = @b.bias()
+            c_weight = @c.weight()
+            c_bias = @c.bias()
+            d_weight = @d.weight()
+            d_bias = @d.bias()
+            linear = linear.default(x, a_weight, a_bias)
+            relu_ = relu_.default(linear)
+            linear_1 = linear.default(relu_, b_weight, b_bias)
+            leaky_relu_ = leaky_relu_.default(linear_1, 0.2)
+            linear_2 = linear.default(leaky_relu_, c_weight, c_bias)
+            elu_ = elu_.default(linear_2, 1.0)
+            linear_3 = linear.default(elu_, d_weight, d_bias)
+            silu = silu.default(linear_3)
+            return silu
+        """)
+    assert result.stats["sites"] == ["relu_", "leaky_relu_", "elu_"]
+    assert result.stats["skipped"] == {
+        "silu": "in-place backward would save a copy of the input (no memory saved)"}
+    targets = {n.name: n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert targets["relu_"] is aten.relu_.default and targets["elu_"] is aten.elu_.default
+
+
+def test_aten_table_maps_each_functional_overload_to_an_inplace_one_with_its_arguments():
+    table = {k: v for k, v in _TORCH_TO_INPLACE.items() if hasattr(k, "overloadpacket")}
+    assert {k.overloadpacket.__name__ for k in table} == {
+        "relu", "relu6", "leaky_relu", "hardtanh", "elu", "selu", "celu", "silu", "hardswish",
+        "hardsigmoid", "mish", "gelu"}
+    for functional, inplace in table.items():
+        assert inplace.overloadpacket.__name__ == functional.overloadpacket.__name__ + "_"
+        schema, inplace_schema = functional._schema, inplace._schema
+        assert [(a.name, a.kwarg_only) for a in schema.arguments] == [
+            (a.name, a.kwarg_only) for a in inplace_schema.arguments]
+        assert inplace_schema.arguments[0].alias_info.is_write  # Tensor(a!) self
+
+
+class EveryAtenActivation(nn.Module):
+    """One site per table entry (and per option autograd answers differently for)."""
+
+    ACTS = {  # node name in the export graph -> (activation, rewritten in train mode)
+        "relu": (F.relu, True),
+        "relu6": (F.relu6, False),
+        "leaky_relu": (lambda h: F.leaky_relu(h, 0.2), True),
+        "leaky_relu_1": (lambda h: F.leaky_relu(h, -0.5), False),  # negative slope
+        "hardtanh": (lambda h: F.hardtanh(h, -0.5, 0.5), False),
+        "elu": (F.elu, True),
+        "elu_1": (lambda h: F.elu(h, -1.0), False),  # negative alpha
+        "selu": (F.selu, True),
+        "celu": (lambda h: F.celu(h, 0.5), True),
+        "silu": (F.silu, False),
+        "hardswish": (F.hardswish, False),
+        "hardsigmoid": (F.hardsigmoid, False),
+        "mish": (F.mish, False),
+        "gelu": (F.gelu, False),
+        "gelu_1": (lambda h: F.gelu(h, approximate="tanh"), False),
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(4, 4) for _ in self.ACTS)
+
+    def forward(self, x):
+        for lin, (act, _) in zip(self.lins, self.ACTS.values()):
+            x = act(lin(x))
+        return x
+
+
+def test_every_aten_activation_as_autograd_decides_in_train_mode():
+    """What autograd says of each in-place form (``_inplace_backward_saves_only_result``):
+    relu_, leaky_relu_(slope >= 0), elu_(alpha >= 0), selu_ and celu_ save only their result;
+    relu6_, hardtanh_, silu_, hardswish_, hardsigmoid_, mish_ and gelu_ save a copy of their
+    input; leaky_relu_/elu_ with a negative slope/alpha cannot run backward."""
+    torch.manual_seed(0)
+    model = EveryAtenActivation()
+    gm, result = check_export_pass(model, (torch.randn(3, 4),))
+    acts = EveryAtenActivation.ACTS
+    assert result.stats["rewritten"] == sum(ok for _, ok in acts.values())
+    assert set(result.stats["skipped"]) == {name for name, (_, ok) in acts.items() if not ok}
+    assert all("copy of the input" in why for why in result.stats["skipped"].values())
+    inplace = [n.target for n in gm.graph.nodes if n.meta.get("fxopt_pass") == PASS_NAME]
+    assert inplace == [aten.relu_.default, aten.leaky_relu_.default, aten.elu_.default,
+                       aten.selu_.default, aten.celu_.default]
+
+
+def test_every_aten_activation_in_eval_mode():
+    torch.manual_seed(0)
+    model, x = EveryAtenActivation(), torch.randn(3, 4)
+    gm, result = check_export_pass(model, (x,), train=False)
+    assert result.stats["rewritten"] == len(EveryAtenActivation.ACTS)
+    assert result.stats["skipped"] == {}
+    last = [n for n in gm.graph.nodes if n.op == "call_function"][-1]
+    assert last.target is aten.gelu_.default and last.kwargs == {"approximate": "tanh"}
+    model.eval(), gm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+
+
+class AtenUnsafe(nn.Module):
+    """Every activation here must stay out-of-place in train mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        graph_input = F.relu(x)                        # relu: a graph input
+        param = torch.relu(self.w)                     # relu_1: a parameter
+        param_view = F.relu(self.w.t())                # relu_2: a view of a parameter
+        input_view = F.relu(x.view(-1))                # relu_3: a view of a graph input
+        y = self.lin(graph_input) @ (param + param_view)
+        used_twice = F.relu(y) * y                     # relu_4: its input is read later
+        after_sigmoid = F.relu(torch.sigmoid(used_twice))  # relu_5: sigmoid saved its output
+        z = self.lin(after_sigmoid)
+        scaled = z * self.scale                        # mul_1 saves z for scale's gradient
+        after_mul = F.relu(z)                          # relu_6
+        through_view = F.relu(after_mul.view(-1)) + after_mul.sum()  # relu_7: base read later
+        h = self.lin(x)
+        acts = (F.silu(h + 1), F.gelu(h + 2), F.leaky_relu(h + 3, -0.5), F.elu(h + 4, -1.0))
+        return (through_view.sum() + scaled.sum() + input_view.sum()
+                + sum(a.sum() for a in acts))
+
+
+def test_unsafe_aten_sites_are_left_alone_with_reasons():
+    _, result = check_export_pass(AtenUnsafe(), (torch.randn(3, 4),), expect_modified=False)
+    copy = "in-place backward would save a copy of the input (no memory saved)"
+    assert result.stats["skipped"] == {
+        "relu": "input is a graph input or parameter",
+        "relu_1": "input is a graph input or parameter",
+        "relu_2": "input is a view of a graph input or parameter",
+        "relu_3": "input is a view of a graph input or parameter",
+        "relu_4": "input is used later by mul",
+        "relu_5": "backward of sigmoid needs the input",
+        "relu_6": "backward of mul_1 needs the input",
+        "relu_7": "input is used later by sum_1",
+        "silu": copy, "gelu": copy, "leaky_relu": copy, "elu": copy,
+    }
+
+
+def test_unsafe_aten_sites_in_eval_mode():
+    torch.manual_seed(0)
+    model, x = AtenUnsafe(), torch.randn(3, 4)
+    gm, result = check_export_pass(model, (x,), train=False)
+    # relu_5, relu_6 and the four of the last line; relu_7 reads a view of relu_6's result,
+    # which relu_6 now writes into z, whose base sum_1 reads later
+    assert result.stats["rewritten"] == 6
+    assert set(result.stats["skipped"]) == {f"relu{s}" for s in ("", "_1", "_2", "_3", "_4", "_7")}
+    assert result.stats["skipped"]["relu_7"] == "input is used later by sum_1"
+    model.eval(), gm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+
+
+class ViewOfRewritten(nn.Module):
+    """After ``a`` becomes ``relu_(lin)``, a view of ``a`` is a view of ``lin``'s storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        a = F.relu(self.lin(x))
+        b = F.selu(a.view(-1))  # selu is not the identity on a >= 0: overwriting a shows
+        return b.sum() + (a * 3).sum()
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("train", [True, False])
+def test_a_view_of_a_rewritten_result_keeps_its_base_readers(capture, train):
+    torch.manual_seed(0)
+    model, x = ViewOfRewritten(), torch.randn(3, 4)
+    gm = trace(model, (x,)) if capture == "fx" else capture_with_export(model, (x,))
+    result = inplace_activations(gm, train=train)
+    assert result.stats["rewritten"] == 1
+    assert result.stats["skipped"] == {"selu": "input is used later by mul"}
+    if train:
+        assert verify(model, gm, (x,)).ok
+    model.eval(), gm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+
+
+def test_options_computed_in_the_graph_are_skipped_in_train_mode():
+    class SlopeFromShape(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return F.leaky_relu(self.lin(x), x.size(1) / 100)
+
+    gm, result = check_pass(SlopeFromShape(), (torch.randn(3, 4),), inplace_activations,
+                            expect_modified=False)
+    assert result.stats["skipped"] == {
+        "leaky_relu": "its options are computed in the graph: autograd cannot be asked"}
+
+
+class ReluDropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x):
+        return self.b(self.drop(F.relu(self.a(x))))
+
+
+def test_mode_dependent_export_graph_rewrites_the_train_graph_only():
+    torch.manual_seed(0)
+    model, x = ReluDropoutMLP(), torch.randn(5, 8)
+    gm, result = check_export_pass(model, (x,))
+    assert result.stats["sites"] == ["relu_"]
+    eval_targets = [n.target for n in eval_graph(gm).nodes]
+    assert aten.relu.default in eval_targets and aten.relu_.default not in eval_targets
+
+
+def test_optimize_with_export_capture_rewrites_a_relu_mlp():
+    import fxopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    gm = fxopt.optimize(model, x, capture="export")
+    report = gm.fxopt_report
+    assert report.trace.frontend == "export"
+    record = next(r for r in report.passes if r.name == "inplace_activations")
+    assert record.modified and record.stats["rewritten"] == 2, record.stats
+    assert report.verification is not None and report.verification.ok
+    assert gm.code.count("torch.ops.aten.relu_.default(") == 2
+    torch.testing.assert_close(gm(x), model(x))
