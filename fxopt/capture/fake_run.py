@@ -88,20 +88,44 @@ def training_flags(module: nn.Module, training: bool) -> Iterator[None]:
             m.training = flag
 
 
-def _region_states(module: nn.Module, state: dict[str, torch.Tensor]
-                   ) -> list[tuple[nn.Module, dict[str, torch.Tensor]]]:
-    """For each checkpointed region body of ``module``: its own names for the stand-ins.
+def _region_bodies(module: nn.Module) -> list[nn.Module]:
+    """The bodies of ``module``'s checkpointed regions.
 
     A body (``fx.GraphModule(root, graph)``) shares the root's submodules, but holds the tensors
     it reads by ``get_attr`` (a root-level parameter, a weight ``pad_channels`` pads) under its
     own module tree, which swapping ``module``'s state does not reach.
     """
-    names = {id(t): name for name, t in module_state(module).items()}
     bodies = [getattr(value, "body", None) for value in vars(module).values()
               if type(value).__name__ == "CheckpointedRegion"]
-    return [(body, {name: state[names[id(t)]] for name, t in module_state(body).items()
-                    if names.get(id(t)) in state})
-            for body in bodies if isinstance(body, nn.Module)]
+    return [body for body in bodies if isinstance(body, nn.Module)]
+
+
+def _below_first(roots: list[nn.Module]) -> list[nn.Module]:
+    """Every module under ``roots`` once, each after every module below it (post-order).
+
+    A module registered under two paths (``self.a = self.b = block``, a list and an attribute
+    holding one module) is listed once, so each of its parameter slots is swapped once.
+    """
+    seen: set[int] = set()
+    order: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if id(m) not in seen:
+            seen.add(id(m))
+            for child in m.children():
+                visit(child)
+            order.append(m)
+
+    for root in roots:
+        visit(root)
+    return order
+
+
+def _own_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and buffers ``m`` itself holds (not its submodules'), by attribute name."""
+    own: dict[str, torch.Tensor] = dict(m.named_parameters(recurse=False, remove_duplicate=False))
+    own.update(m.named_buffers(recurse=False, remove_duplicate=False))
+    return own
 
 
 @contextlib.contextmanager
@@ -109,15 +133,31 @@ def reparametrized(module: nn.Module, state: dict[str, torch.Tensor]) -> Iterato
     """Inside: ``module``'s parameters and buffers are ``state`` (tied weights stay tied), in its
     checkpointed regions' bodies too.
 
+    Each slot (one module's own parameter or buffer) is swapped by the module that holds it,
+    once. A qualified name is a path, not a slot: a submodule registered under two paths gives
+    its slots two names each, and ``reparametrize_module(module, state)`` would swap such a slot
+    once per name -- the second time saving the stand-in as the "original" -- and restore in
+    the same order, leaving the stand-in in the user's module. Stand-ins are matched to slots by
+    the identity of the tensor a slot holds: tied weights (two slots, one tensor) get one
+    stand-in, and a region body's own slots get the root's stand-ins.
+
+    Modules are swapped below-first: ``reparametrize_module`` (``tie_weights=True``) also swaps
+    the slots of a module's submodules that hold one of the module's own tensors, so each slot's
+    own module must be the first to swap it and, the contexts unwinding in reverse, the last to
+    restore it.
+
     On exit, RNN modules rebuild their ``_flat_weights`` list, which the swap back does not
     update: it would go on holding the stand-ins (fake tensors) until the next forward.
     """
+    real = module_state(module)  # matched by identity before the swap; keeps the ids alive
+    stand_in = {id(real[name]): t for name, t in state.items() if name in real}
     try:
-        regions = _region_states(module, state)  # matched by identity, before the swap
         with contextlib.ExitStack() as stack:
-            stack.enter_context(reparametrize_module(module, state))
-            for body, body_state in regions:
-                stack.enter_context(reparametrize_module(body, body_state))
+            for m in _below_first([module, *_region_bodies(module)]):
+                swap = {name: stand_in[id(t)] for name, t in _own_tensors(m).items()
+                        if id(t) in stand_in}
+                if swap:
+                    stack.enter_context(reparametrize_module(m, swap))
             yield
     finally:
         for m in module.modules():

@@ -17,6 +17,10 @@ and ``num_batches_tracked`` equal the unoptimized model's exactly.
 checkpointing) so only the cheap, memory-bound ops are recomputed. Under autocast a selective
 region recomputes fully (correct, costs more time than planned).
 
+Under ``torch.compile`` the compiled graph does the bookkeeping itself (BatchNorm's buffers are
+updated once, dropout is replayed): a selective region passes SAC's contexts for the same heavy
+ops, a full region none (torch's own full recomputation).
+
 The region object is stored on the GraphModule as a plain attribute, not a submodule: the
 parameters it uses stay registered once, under their original names.
 """
@@ -24,6 +28,7 @@ parameters it uses stay registered once, under their original names.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -81,6 +86,30 @@ def buffers_restored(body: torch.nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
+@contextlib.contextmanager
+def _recomputing(body: torch.nn.Module, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    with buffers_restored(body), inner:  # snapshot outside SAC's dispatch mode
+        yield
+
+
+def _eager_contexts(body: torch.nn.Module, selective: bool
+                    ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``checkpoint``'s ``context_fn`` in eager mode: (forward context, recompute context)."""
+    if selective and not _autocast_on():
+        forward, recompute = create_selective_checkpoint_contexts(_keep_heavy)
+    else:
+        forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+    return forward, _recomputing(body, recompute)
+
+
+# Under torch.compile: dynamo keeps a ``context_fn`` only if it is a plain function or a
+# functools.partial of constants (a bound method loses its ``self``), and AOTAutograd requires it
+# to return two TorchDispatchModes. The compiled graph updates BatchNorm's buffers once and
+# replays dropout by itself, so only the choice of what to save is left: SAC for a selective
+# region, torch's own full recomputation (no context_fn) for a full one.
+_COMPILED_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _keep_heavy)
+
+
 class CheckpointedRegion:
     """Callable that runs ``body`` (a GraphModule over the user's modules) checkpointed."""
 
@@ -88,23 +117,16 @@ class CheckpointedRegion:
         self.body = body
         self.selective = selective
 
-    def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        if self.selective and not _autocast_on():
-            forward, recompute = create_selective_checkpoint_contexts(_keep_heavy)
-        else:
-            forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
-        return forward, self._recomputing(recompute)
-
-    @contextlib.contextmanager
-    def _recomputing(self, inner: contextlib.AbstractContextManager) -> Iterator[None]:
-        with buffers_restored(self.body), inner:  # snapshot outside SAC's dispatch mode
-            yield
-
     def __call__(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.body(*args)
+        if torch.compiler.is_compiling():
+            selective = self.selective and not _autocast_on()
+            contexts = {"context_fn": _COMPILED_SELECTIVE} if selective else {}
+        else:
+            contexts = {"context_fn": functools.partial(_eager_contexts, self.body, self.selective)}
         return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=self._contexts, **_SAC_HOOKS)
+                          **contexts, **_SAC_HOOKS)
 
     def __repr__(self) -> str:
         kind = "selective" if self.selective else "full"
