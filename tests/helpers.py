@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.capture.trace import trace
+from fxopt.capture.chain import capture as capture_model
 from fxopt.measure.peaks import measure_train_step
 from fxopt.rewrite.invariants import graph_problems, snapshot
 from fxopt.rewrite.pass_base import PassResult
@@ -64,10 +64,16 @@ def check_pass(
     golden_after: str | None = None,
     expect_modified: bool = True,
     memory_not_worse: bool = True,
+    capture: str = "fx",
+    numerics: bool = True,
 ) -> tuple[fx.GraphModule, PassResult]:
-    """Golden before -> pass -> lint -> golden after -> idempotent -> numerics -> memory."""
+    """Golden before -> pass -> lint -> golden after -> idempotent -> numerics -> memory.
+
+    ``capture`` picks the frontend ("fx": a module-level graph; "export": an ATen graph);
+    ``numerics=False`` skips the training-step checks (for a rewrite meant for inference only).
+    """
     options = options or {}
-    gm = trace(model, example_inputs)
+    gm = capture_model(model, example_inputs, capture=capture)
     if golden_before is not None:
         assert compact(gm) == _dedent(golden_before), compact(gm)
     before = snapshot(gm)
@@ -84,10 +90,12 @@ def check_pass(
     second = pass_fn(gm, **options)
     assert second.modified is False, f"second run changed the graph: {second.stats}"
     assert gm.code == code_after_first
+    if not numerics:
+        return gm, result
     report = verify(model, gm, example_inputs)
     assert report.ok, str(report)
     if memory_not_worse:
-        reference = trace(model, example_inputs)
+        reference = capture_model(model, example_inputs, capture=capture)
         assert measure_train_step(gm, example_inputs).peak_bytes <= measure_train_step(
             reference, example_inputs).peak_bytes
     return gm, result

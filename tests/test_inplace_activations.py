@@ -6,8 +6,12 @@ import torch.nn.functional as F
 from helpers import check_pass
 from torch import nn
 
+from fxopt.capture.export_frontend import capture_with_export
 from fxopt.capture.trace import trace
-from passes.inplace_activations import inplace_activations
+from fxopt.capture.train_eval import eval_graph
+from fxopt.core.tensors import storage_key
+from fxopt.verify import verify
+from passes.inplace_activations import _TORCH_TO_INPLACE, PASS_NAME, inplace_activations
 
 
 class ConvBnRelu(nn.Module):
@@ -310,50 +314,20 @@ def test_the_pass_draws_no_random_numbers_and_keeps_no_state_between_runs():
 # -- ATen graphs (capture="export"): aten.<act>.default -> aten.<act>_.default
 
 
-from fxopt.capture.export_frontend import capture_with_export  # noqa: E402
-from fxopt.capture.train_eval import eval_graph  # noqa: E402
-from fxopt.core.tensors import storage_key  # noqa: E402
-from fxopt.measure.peaks import measure_train_step  # noqa: E402
-from fxopt.rewrite.invariants import graph_problems, snapshot  # noqa: E402
-from fxopt.verify import verify  # noqa: E402
-from helpers import compact  # noqa: E402
-from passes.inplace_activations import PASS_NAME, _TORCH_TO_INPLACE  # noqa: E402
-
 aten = torch.ops.aten
-
-
-def _lines(text):
-    return "\n".join(line.strip() for line in text.strip().splitlines())
 
 
 def check_export_pass(model, inputs, *, train=True, golden_before=None, golden_after=None,
                       expect_modified=True):
-    """check_pass for a module captured by torch.export (check_pass traces with torch.fx)."""
-    gm = capture_with_export(model, inputs)
-    if golden_before is not None:
-        assert compact(gm) == _lines(golden_before), compact(gm)
-    before = snapshot(gm)
-    result = inplace_activations(gm, train=train)
-    assert result.graph_module is gm
-    assert result.modified is expect_modified, result.stats
-    assert graph_problems(gm, before) == []
-    if not expect_modified:
-        assert gm.code == before.code
+    """check_pass on a torch.export capture, plus: every rewritten site is marked, listed in the
+    stats, and its meta aliases its input's storage."""
+    gm, result = check_pass(model, inputs, inplace_activations, options={"train": train},
+                            golden_before=golden_before, golden_after=golden_after,
+                            expect_modified=expect_modified, capture="export", numerics=train)
     for node in gm.graph.nodes:
-        if node.name not in before.node_names:  # a rewritten site: marked, meta aliases its input
-            assert node.meta["fxopt_pass"] == PASS_NAME and node.name in result.stats["sites"]
+        if node.meta.get("fxopt_pass") == PASS_NAME:
+            assert node.name in result.stats["sites"]
             assert storage_key(node.meta["val"]) == storage_key(node.args[0].meta["val"])
-    if golden_after is not None:
-        assert compact(gm) == _lines(golden_after), compact(gm)
-    code = gm.code
-    second = inplace_activations(gm, train=train)
-    assert second.modified is False and gm.code == code, second.stats
-    if train:
-        report = verify(model, gm, inputs)
-        assert report.ok, str(report)
-        reference = capture_with_export(model, inputs)
-        assert measure_train_step(gm, inputs).peak_bytes <= measure_train_step(
-            reference, inputs).peak_bytes
     return gm, result
 
 
