@@ -38,6 +38,7 @@ def optimize(
     dump_dir: str | Path | None = None,
     registry: PassRegistry | None = None,
     capture: str = "auto",
+    example_kwargs: dict[str, Any] | None = None,
 ) -> fx.GraphModule:
     """Return an optimized, verified GraphModule computing the same function as ``model``.
 
@@ -57,8 +58,12 @@ def optimize(
     tensors (for a forward that takes a dict, pass ``(inputs_dict,)``), or a plain value (None,
     bool, int, float, str); plain values, and trailing arguments left out (they take their
     defaults), are fixed in the optimized module, which checks it is called with the same
-    values. There are no keyword example inputs: pass keyword arguments positionally, in
-    forward's order. A bare dict is refused with an ``InputError``, because it could mean either.
+    values. A bare dict is refused with an ``InputError``, because it could mean either.
+    ``example_kwargs``: keyword example inputs, as Hugging Face models are called
+    (``example_kwargs={"input_ids": ids, "labels": ids}``, with ``example_inputs=()``). They are
+    bound to forward's parameters by name (``fxopt.core.inputs.bind_keywords``); the optimized
+    module takes them by keyword or by position, and parameters skipped before the last one
+    given are fixed at their defaults.
 
     Errors are ``fxopt.FxoptError`` subclasses: ``InputError`` (not a module, unusable inputs,
     a model that does not run on them), ``TraceError``, ``ConfigError``, ``BudgetError``,
@@ -70,7 +75,7 @@ def optimize(
     config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir)
     config.resolved(registry)  # fail on a bad pass list before spending time on tracing
     check_capture_option(capture, leaf_modules)
-    args = check_inputs(model, example_inputs)
+    args = check_inputs(model, example_inputs, example_kwargs)
     if verify or measure_memory:
         refuse_meta_tensors("verify" if verify else "measure", model, args)
     # Whatever tracing or a pass does to the user's tensors (a forward run eagerly, a timing

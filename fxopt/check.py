@@ -49,6 +49,7 @@ from torch import fx, nn
 
 from fxopt.api import optimize
 from fxopt.core.errors import ConfigError, EquivalenceError
+from fxopt.core.inputs import check_inputs
 from fxopt.core.step import as_args
 from fxopt.core.tensors import tensors_in
 from fxopt.core.torch_private import tree_map_only
@@ -169,9 +170,11 @@ def check_equivalence(
     leaf_modules: tuple[str, ...] = (),
     progress: Progress | None = None,
     capture: str = "auto",
+    example_kwargs: dict[str, Any] | None = None,
 ) -> tuple[CheckResult, fx.GraphModule]:
     """Optimize ``model`` and verify it on several inputs; see the module docstring.
-    ``capture`` is ``fxopt.optimize``'s capture frontend option."""
+    ``capture`` is ``fxopt.optimize``'s capture frontend option, ``example_kwargs`` its keyword
+    example inputs."""
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
         raise ConfigError(f"seeds must be a non-empty list of integers, got {seeds!r}",
@@ -180,7 +183,7 @@ def check_equivalence(
             isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes)):
         raise ConfigError(f"batch sizes must be positive integers, got {batch_sizes!r}",
                           hint="e.g. batch_sizes=(1, 4)")
-    args = as_args(example_inputs)
+    args = check_inputs(model, example_inputs, example_kwargs)
     gm = optimize(model, args, passes=passes, memory_budget=memory_budget, verify=False,
                   leaf_modules=leaf_modules, capture=capture)
     first = next((t for t in tensors_in(args) if t.dim()), None)

@@ -126,7 +126,7 @@ def test_tuple_and_dict_positional_inputs_work_end_to_end():
 
 def test_a_bare_dict_is_ambiguous_and_the_error_says_how_to_call():
     message = optimize_fails(Masked(), {"x": X, "mask": X > 0}, fxopt.InputError,
-                             "given as a dict", "(inputs_dict,)", "positionally")
+                             "given as a dict", "(inputs_dict,)", "example_kwargs")
     assert "Masked.forward" in message
 
 

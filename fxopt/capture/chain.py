@@ -26,8 +26,7 @@ The result's ``meta["fxopt_trace"]`` (a ``TraceInfo``) says which frontend captu
 
 Safe for any model ``trace`` or ``capture_with_export`` accepts; the user's model is never
 modified. Costs: for a model with opaque leaves "auto" runs symbolic tracing and then
-torch.export (twice: train and eval mode), so capture takes longer than before. Not handled:
-keyword example inputs (``args`` are forward's positional arguments, as for ``trace``).
+torch.export (twice: train and eval mode), so capture takes longer than before.
 """
 
 from __future__ import annotations
@@ -60,15 +59,17 @@ def check_capture_option(capture: Any, leaf_modules: tuple[str, ...] = ()) -> No
 
 
 def capture(model: nn.Module, args: Any, *, capture: str = "auto",
-            leaf_modules: tuple[str, ...] = ()) -> fx.GraphModule:
+            leaf_modules: tuple[str, ...] = (), example_kwargs: dict[str, Any] | None = None
+            ) -> fx.GraphModule:
     """``model`` as a GraphModule, captured by the frontend ``capture`` names ("auto", "fx" or
-    "export"; see the module docstring); ``args`` are forward's positional arguments.
+    "export"; see the module docstring); ``args`` are forward's positional arguments,
+    ``example_kwargs`` its keyword ones (bound to their places by ``check_inputs``).
 
     Raises ``ConfigError`` for an unknown ``capture``, ``InputError`` for unusable inputs and
     ``TraceError`` when no frontend allowed captures the model.
     """
     check_capture_option(capture, leaf_modules)
-    args = check_inputs(model, args)
+    args = check_inputs(model, args, example_kwargs)
     start = time.perf_counter()
     if capture == "fx":
         gm = trace(model, args, leaf_modules=leaf_modules)
@@ -97,19 +98,23 @@ def _auto(model: nn.Module, args: tuple, leaf_modules: tuple[str, ...]
     why_not_fx = (_first_line(fx_error) if fx_error is not None
                   else _leaves_line(traced.meta["fxopt_trace"]))
     why_not_export = _export_blocker(model, leaf_modules)
+    export_error: FxoptError | None = None
     if why_not_export is None:
         try:
             exported = capture_with_export(model, args)
         except FxoptError as error:
-            why_not_export = _first_line(error)
+            why_not_export, export_error = _first_line(error), error
         except Exception as error:  # a bug in the export frontend must not lose a working trace
             why_not_export = f"internal error: {type(error).__name__}: {_first(str(error))}"
         else:
             return exported, (("fx", why_not_fx),)
     if traced is not None:
         return traced, (("export", why_not_export),)
+    # Both failed: torch.export's reason is the actionable one when tracing failed on the root's
+    # signature (a decorated forward), which no change to the model's code would fix.
+    lead = export_error if export_error is not None and "co_varnames" in fx_error.what else None
     raise TraceError(f"{fx_error.what}\ntorch.export cannot capture it either: {why_not_export}",
-                     where=fx_error.where, hint=fx_error.hint) from fx_error
+                     where=(lead or fx_error).where, hint=(lead or fx_error).hint) from fx_error
 
 
 def _export_blocker(model: nn.Module, leaf_modules: tuple[str, ...]) -> str | None:

@@ -90,7 +90,7 @@ from fxopt.capture.export_signature import (
     signature_placeholders,
 )
 from fxopt.capture.fake_run import module_state, training_flags
-from fxopt.capture.recipes import build, emit, extract, flatten, leaf_paths
+from fxopt.capture.recipes import Unsupported, build, emit, extract, flatten, leaf_paths
 from fxopt.capture.trace import TraceInfo, graph_module_like
 from fxopt.capture.trace_checks import (
     UserCheckpoint,
@@ -189,6 +189,9 @@ def _export(shell: nn.Module, call: _Call, example: tuple, dynamic: bool, traini
                 hint="use fxopt.trace(model, inputs) (capture='fx'), which keeps the module "
                      "that calls it as written, or remove the checkpoint and pass "
                      "memory_budget= to let fxopt plan the recomputation") from error
+        unsupported = _cause(error, Unsupported)
+        if unsupported is not None and unsupported.where.startswith("output"):
+            raise _output_error(shell, unsupported) from error
         raise
     if recorder.out_recipe is None:
         raise TraceError("torch.export never ran forward", where="capture_with_export",
@@ -207,13 +210,31 @@ def _export(shell: nn.Module, call: _Call, example: tuple, dynamic: bool, traini
 
 
 def _caused_by(error: BaseException | None, kind: type) -> bool:
+    return _cause(error, kind) is not None
+
+
+def _cause(error: BaseException | None, kind: type) -> Any:
+    """The first exception of type ``kind`` in ``error``'s chain of causes, or None."""
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, kind):
-            return True
+            return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return False
+    return None
+
+
+def _output_error(model: nn.Module, unsupported: Unsupported) -> TraceError:
+    name = type(model).__name__
+    if "cache" in unsupported.kind.lower():
+        hint = ("call it with use_cache=False (add use_cache=False to example_kwargs, or set "
+                "model.config.use_cache = False): a training step does not need the cache")
+    else:
+        hint = ("return tensors, plain values, and tuples, lists, dicts or dataclasses of them "
+                "(wrap the model in a module that returns what the loss needs)")
+    return TraceError(f"{name}'s {unsupported.where} is a {unsupported.kind}, which "
+                      "fxopt cannot rebuild in the captured module",
+                      where=f"{name}.forward output", hint=hint)
 
 
 def _user_input_specs(exported: _Exported, names: list[str]) -> list[TensorSpec] | None:

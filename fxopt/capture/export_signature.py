@@ -39,8 +39,9 @@ def signature_placeholders(model_name: str, signature: inspect.Signature,
     Parameters after the last one given are left out (calling with one is a TypeError): the
     model used its own default, which a decorator may set differently from what the signature
     says. A parameter skipped before a given one keeps its place, at its default, so positional
-    calls bind as they do on the model; the guard refuses any other value. A given parameter has
-    no default unless Python needs one after a defaulted parameter; that default is None, which
+    calls bind as they do on the model; the guard refuses any other value. So does a parameter
+    given its own plain default (keyword example inputs bound to their places pass every
+    parameter before the last one given). Any other given parameter has no default unless Python needs one after a defaulted parameter; that default is None, which
     the guard refuses unless None was captured.
     """
     params = [p for p in signature.parameters.values()
@@ -48,7 +49,9 @@ def signature_placeholders(model_name: str, signature: inspect.Signature,
     last = max(i for i, p in enumerate(params) if p.name in given)
     result: list[Placeholder] = []
     for param in params[:last + 1]:
-        if param.name in given:
+        if param.name in given and _is_default(given[param.name], param):
+            result.append(Placeholder(param.name, given[param.name], param.default))
+        elif param.name in given:
             default = None if any(p.default is not param.empty for p in result) else param.empty
             result.append(Placeholder(param.name, given[param.name], default))
         elif param.default is not param.empty and type(param.default) in PLAIN:
@@ -60,6 +63,14 @@ def signature_placeholders(model_name: str, signature: inspect.Signature,
                 "in the captured module's signature", where=f"{model_name}.forward{signature}",
                 hint=f"pass {param.name} explicitly in the example inputs")
     return result
+
+
+def _is_default(recipe: Any, param: inspect.Parameter) -> bool:
+    """Whether the example passed ``param`` its own plain default (as ``fxopt.optimize`` does for
+    parameters skipped before a keyword input), so the captured module can default it too."""
+    return (isinstance(recipe, Const) and param.default is not param.empty
+            and type(param.default) in PLAIN and type(recipe.value) is type(param.default)
+            and recipe.value == param.default)
 
 
 def bind_example(model: nn.Module, args: tuple, kwargs: dict[str, Any]

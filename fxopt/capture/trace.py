@@ -196,13 +196,14 @@ def _trace_both_modes(shell: nn.Module, forced: set[str], concrete: dict[str, An
             module.training = flag
 
 
-def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...] = ()) -> fx.GraphModule:
+def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...] = (),
+          example_kwargs: dict[str, Any] | None = None) -> fx.GraphModule:
     """Trace ``model`` into a GraphModule whose nodes carry ``meta["val"]`` (fake tensors).
 
     ``leaf_modules`` names submodules (qualified paths) to keep opaque from the start. The
     returned module's ``meta["fxopt_trace"]`` is a TraceInfo listing every leaf fallback.
     """
-    args = check_inputs(model, example_inputs)
+    args = check_inputs(model, example_inputs, example_kwargs)
     concrete = concrete_args(model, args)
     start = time.perf_counter()
     forced = set(leaf_modules)

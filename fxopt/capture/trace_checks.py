@@ -93,6 +93,10 @@ def root_failure_hint(error: BaseException, model: nn.Module) -> str:
         return ("move the torch.utils.checkpoint call into a submodule's forward (fxopt keeps "
                 "that submodule as written), or drop it and pass memory_budget= to let fxopt "
                 "plan the recomputation.")
+    if "co_varnames" in str(error):
+        return ("forward is wrapped in a decorator taking (*args, **kwargs), which symbolic "
+                "tracing cannot rebuild (Hugging Face models are): capture it with "
+                "capture='export' (capture='auto', the default, tries it).")
     return ("move data-dependent Python control flow (if/for on tensor values, int(tensor), "
             "iterating a tensor) into a submodule, which fxopt then keeps as an opaque leaf, or "
             "pass leaf_modules=(...) naming it.")

@@ -1,9 +1,12 @@
 """What fxopt accepts as example inputs, and the specialisations they imply.
 
-``check_inputs(model, example_inputs)`` returns forward's positional arguments or raises an
-``InputError`` saying how to call: a tensor, or a tuple/list with one entry per argument, where
-an entry may be a tuple, list or dict of tensors, or a plain value (None, bool, int, float, str).
-A bare dict is refused: it could mean keyword arguments or one dict argument.
+``check_inputs(model, example_inputs, example_kwargs)`` returns forward's positional arguments
+or raises an ``InputError`` saying how to call: a tensor, or a tuple/list with one entry per
+argument, where an entry may be a tuple, list or dict of tensors, or a plain value (None, bool,
+int, float, str). A bare dict is refused: it could mean keyword arguments or one dict argument.
+Keyword example inputs (``example_kwargs``, as Hugging Face models are called:
+``input_ids=``, ``labels=``) are bound to forward's parameters by name
+(``bind_keywords``), so the rest of fxopt sees one positional tuple.
 
 ``concrete_args(model, args)`` names the parameters tracing fixes to a value: plain-valued
 arguments and trailing ones left out (their defaults). ``refuse_meta_tensors`` stops verify and
@@ -25,8 +28,9 @@ from fxopt.core.torch_private import tree_leaves
 PLAIN = (type(None), bool, int, float, str)
 
 
-def check_inputs(model: Any, example_inputs: Any) -> tuple:
-    """The positional arguments of ``model.forward``, or an ``InputError`` saying how to call."""
+def check_inputs(model: Any, example_inputs: Any, example_kwargs: dict | None = None) -> tuple:
+    """The positional arguments of ``model.forward`` for the call
+    ``model(*example_inputs, **example_kwargs)``, or an ``InputError`` saying how to call."""
     if not isinstance(model, nn.Module):
         raise InputError(
             f"fxopt needs a torch.nn.Module, got {type(model).__name__}",
@@ -36,10 +40,13 @@ def check_inputs(model: Any, example_inputs: Any) -> tuple:
         raise InputError(
             "example inputs given as a dict: fxopt takes forward's positional arguments",
             where=f"{type(model).__name__}.forward",
-            hint="for a forward that takes one dict, wrap it: (inputs_dict,); for keyword "
-            "arguments, pass them positionally in forward's order, e.g. (x, mask).",
+            hint="for keyword arguments pass example_kwargs=the_dict (example_inputs=() when "
+            "there are no positional ones); for a forward that takes one dict, wrap it: "
+            "(inputs_dict,).",
         )
     args = as_args(example_inputs)
+    if example_kwargs:
+        args = bind_keywords(model, args, example_kwargs)
     for index, arg in enumerate(args):
         bad = [type(v).__name__ for v in tree_leaves(arg)
                if not isinstance(v, (torch.Tensor, *PLAIN))]
@@ -57,6 +64,56 @@ def check_inputs(model: Any, example_inputs: Any) -> tuple:
             hint="pass the positional tensors forward() takes, e.g. (torch.randn(8, 3, 224, 224),).",
         )
     return args
+
+
+def bind_keywords(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """``model(*args, **kwargs)`` as one positional call: every keyword is put at its
+    parameter's place in forward's signature (followed through ``functools.wraps`` decorators),
+    and a parameter skipped before the last one given takes its signature default.
+
+    Safe for a forward whose skipped parameters behave as their defaults when passed explicitly
+    (true of plain Python, and of Hugging Face's decorators, which read their own options from
+    ``**kwargs``). Not handled (``InputError``): keywords that only ``**kwargs`` takes, a keyword
+    also given positionally, a skipped parameter with no default, keyword-only parameters.
+    """
+    name = type(model).__name__
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise InputError(f"example_kwargs must be a dict of argument names to values, got "
+                         f"{type(kwargs).__name__}", where=f"{name}.forward",
+                         hint="pass e.g. example_kwargs={'input_ids': ids, 'labels': ids}")
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError) as error:
+        raise InputError(f"{name}.forward has no signature fxopt can bind keywords to: {error}",
+                         where=f"{name}.forward",
+                         hint="pass the inputs positionally, in forward's order") from None
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    places = {p.name: i for i, p in enumerate(positional)}
+    for key in kwargs:
+        if key not in places:
+            only = ("only through **kwargs" if any(p.kind == p.VAR_KEYWORD for p in parameters)
+                    and key not in {p.name for p in parameters} else "as keyword-only")
+            raise InputError(
+                f"{name}.forward takes {key!r} {only}, or not at all; fxopt binds keyword "
+                "example inputs to forward's named positional parameters",
+                where=f"{name}.forward",
+                hint=f"forward's parameters are: {', '.join(places) or 'none'}; leave "
+                f"{key!r} to its default or set it on the model (e.g. its config)")
+        if places[key] < len(args):
+            raise InputError(f"example input {key!r} is given both positionally and by keyword",
+                             where=f"{name}.forward", hint="give it once")
+    last = max(places[key] for key in kwargs)
+    bound = list(args)
+    for param in positional[len(args):last + 1]:
+        if param.name in kwargs:
+            bound.append(kwargs[param.name])
+        elif param.default is not param.empty:
+            bound.append(param.default)
+        else:
+            raise InputError(f"{name}.forward needs argument {param.name!r}, which the example "
+                             "inputs do not give", where=f"{name}.forward",
+                             hint=f"add {param.name}=... to example_kwargs")
+    return tuple(bound)
 
 
 def concrete_args(model: nn.Module, args: tuple) -> dict[str, Any]:

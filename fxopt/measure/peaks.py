@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fxopt.analysis.memtrack import LiveStorageTracker
-from fxopt.core.inputs import refuse_meta_tensors
+from fxopt.core.inputs import bind_keywords, refuse_meta_tensors
 from fxopt.core.state import preserved_state
 from fxopt.core.step import as_args, training_step
 from fxopt.core.tensors import module_device, storage_bytes
@@ -71,8 +71,11 @@ def _describe(device: torch.device) -> str:
     return str(device)
 
 
-def _measure(module: nn.Module, example_inputs: Any, mode: str) -> MemoryFigure:
+def _measure(module: nn.Module, example_inputs: Any, mode: str,
+             example_kwargs: dict[str, Any] | None = None) -> MemoryFigure:
     inputs = as_args(example_inputs)
+    if example_kwargs:
+        inputs = bind_keywords(module, inputs, example_kwargs)
     refuse_meta_tensors("measure", module, inputs)
     device = module_device(module, inputs)
     parameters, buffers = list(module.parameters()), list(module.buffers())
@@ -115,16 +118,20 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str) -> MemoryFigure:
     )
 
 
-def measure_train_step(module: nn.Module, example_inputs: Any) -> MemoryFigure:
+def measure_train_step(module: nn.Module, example_inputs: Any,
+                       example_kwargs: dict[str, Any] | None = None) -> MemoryFigure:
     """Measured peak of one forward + backward (grads start as None)."""
-    return _measure(module, example_inputs, "train")
+    return _measure(module, example_inputs, "train", example_kwargs)
 
 
-def measure_inference(module: nn.Module, example_inputs: Any) -> MemoryFigure:
+def measure_inference(module: nn.Module, example_inputs: Any,
+                      example_kwargs: dict[str, Any] | None = None) -> MemoryFigure:
     """Measured peak of one eval-mode forward under ``torch.no_grad()``."""
-    return _measure(module, example_inputs, "inference")
+    return _measure(module, example_inputs, "inference", example_kwargs)
 
 
-def measure(module: nn.Module, example_inputs: Any) -> MemoryReport:
-    return MemoryReport(measure_train_step(module, example_inputs),
-                        measure_inference(module, example_inputs))
+def measure(module: nn.Module, example_inputs: Any,
+            example_kwargs: dict[str, Any] | None = None) -> MemoryReport:
+    """Both measured peaks; ``example_kwargs`` are bound as ``fxopt.optimize`` binds them."""
+    return MemoryReport(measure_train_step(module, example_inputs, example_kwargs),
+                        measure_inference(module, example_inputs, example_kwargs))

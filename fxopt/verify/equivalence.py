@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from fxopt.core.errors import EquivalenceError, FxoptError, InputError
-from fxopt.core.inputs import refuse_meta_tensors
+from fxopt.core.inputs import bind_keywords, refuse_meta_tensors
 from fxopt.core.state import preserved_state
 from fxopt.core.step import as_args, backward_from
 from fxopt.core.torch_private import (
@@ -137,6 +137,7 @@ def verify(
     check_grads: bool = True,
     strict: bool = False,
     recheck_float64: bool = True,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> VerifyReport:
     """Compare one training step (and one eval forward) of ``candidate`` against ``reference``.
 
@@ -144,8 +145,10 @@ def verify(
     :class:`~fxopt.core.errors.EquivalenceError` (carrying the report as ``.report``) on any mismatch.
     ``recheck_float64``: when the only differences are finite numbers, decide in float64 whether
     they are rounding (see :mod:`fxopt.verify.rounding`); the report lists them under ``rounding``.
+    ``example_kwargs``: keyword inputs, bound to forward's parameters as ``fxopt.optimize``
+    binds them.
     """
-    args = _checked_inputs(reference, candidate, example_inputs)
+    args = _checked_inputs(reference, candidate, example_inputs, example_kwargs)
     tols = merged_tolerances(tolerances)
 
     def run(ref: nn.Module, cand: nn.Module, inputs: tuple) -> list[_Record]:
@@ -168,13 +171,16 @@ def verify(
     return report
 
 
-def _checked_inputs(reference: Any, candidate: Any, example_inputs: Any) -> tuple:
+def _checked_inputs(reference: Any, candidate: Any, example_inputs: Any,
+                    example_kwargs: dict[str, Any] | None) -> tuple:
     for role, module in (("reference", reference), ("candidate", candidate)):
         if not isinstance(module, nn.Module):
             raise InputError(f"verify: the {role} is a {type(module).__name__}, "
                              "not a torch.nn.Module",
                              hint="pass the model objects themselves (nn.Module or fx.GraphModule)")
     args = as_args(example_inputs)
+    if example_kwargs:
+        args = bind_keywords(reference, args, example_kwargs)
     leaves, _ = tree_flatten_with_path(args)
     for path, leaf in leaves:
         if not isinstance(leaf, (torch.Tensor, bool, int, float, complex, str, type(None))):
