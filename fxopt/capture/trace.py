@@ -36,6 +36,7 @@ attributes that are not registered submodules.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import operator
 import time
 from dataclasses import dataclass, field
@@ -123,6 +124,10 @@ class _FallbackTracer(fx.Tracer):
         return False
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        if not self._installed(m):
+            # Built inside forward (``nn.ReLU()(x)``, as DistilBERT's classifier does): not part
+            # of the model's state, so its body is traced in place, as a function would be.
+            return forward(*args, **kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception as error:
@@ -130,11 +135,22 @@ class _FallbackTracer(fx.Tracer):
                 error._fxopt_failed_module = self.path_of_module(m)  # type: ignore[attr-defined]
             raise
 
+    def _installed(self, m: nn.Module) -> bool:
+        if not hasattr(self, "_module_ids"):
+            self._module_ids = {id(module) for module in self.root.modules()}
+        return id(m) in self._module_ids
+
     def create_arg(self, a: Any) -> Any:
         # fx records every dict as a plain dict; keep OrderedDict (torchvision's segmentation
-        # models and FPN backbones return one) the way fx keeps dataclasses: as a constructor call.
+        # models and FPN backbones return one) and its subclasses the way fx keeps dataclasses:
+        # as a constructor call. Hugging Face's ModelOutput and diffusers' BaseOutput are both
+        # an OrderedDict and a dataclass: rebuilt from their fields, as the model built them.
+        if isinstance(a, collections.OrderedDict) and dataclasses.is_dataclass(a):
+            return self.create_node("call_function", type(a), (),
+                                    {k: super(_FallbackTracer, self).create_arg(v)
+                                     for k, v in a.items()})
         if isinstance(a, collections.OrderedDict):
-            return self.create_node("call_function", collections.OrderedDict,
+            return self.create_node("call_function", type(a),
                                     (super().create_arg(dict(a)),), {})
         if isinstance(a, CheckpointedRegion):
             name = next((k for k, v in vars(self.root).items() if v is a), None)

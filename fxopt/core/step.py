@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fxopt.core.torch_private import tree_flatten
+from fxopt.core.trees import leaves
 
 COTANGENT_SEED = 1234
 
@@ -25,8 +25,7 @@ def as_args(example_inputs: Any) -> tuple:
 
 
 def differentiable_outputs(output: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(output)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [t for t in leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def cotangents_for(outputs: list[torch.Tensor], seed: int = COTANGENT_SEED) -> list[torch.Tensor]:

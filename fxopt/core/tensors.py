@@ -37,14 +37,15 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.core.torch_private import storage_id, tree_leaves
+from fxopt.core.torch_private import storage_id
+from fxopt.core.trees import leaves
 
 CUDA_BLOCK_BYTES = 512
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors inside a pytree value (a tensor, tuple, list, dict, ...)."""
-    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    """The tensors inside a value (a tensor, tuple, list, dict, dataclass, ...)."""
+    return [leaf for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 def storage_key(t: torch.Tensor) -> int:

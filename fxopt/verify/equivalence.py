@@ -52,9 +52,9 @@ from fxopt.core.step import as_args, backward_from
 from fxopt.core.torch_private import (
     keystr,
     tree_flatten_with_path,
-    tree_map,
     tree_unflatten,
 )
+from fxopt.core.trees import map_tensors
 from fxopt.verify.rounding import explainable_by_rounding, recheck_in_float64
 from fxopt.verify.tensor_diff import (
     DEFAULT_TOLERANCES,
@@ -213,7 +213,7 @@ def _named(module: nn.Module, kind: str, canonical: dict[int, str]) -> dict[str,
 
 
 def _detached_clone(tree: Any) -> Any:
-    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree)
+    return map_tensors(lambda x: x.detach().clone(), tree)
 
 
 def _fresh_inputs(args: tuple, requires_grad: bool) -> tuple[tuple, dict[str, torch.Tensor]]:

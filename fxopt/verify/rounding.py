@@ -36,11 +36,10 @@ import torch
 from torch import nn
 
 from fxopt.core.torch_private import (
-    keystr,
-    tree_flatten_with_path,
     tree_leaves,
     tree_map,
 )
+from fxopt.core.trees import named_leaves
 
 ACCURACY_FACTOR = 10.0
 
@@ -78,7 +77,7 @@ def value_of(record: Any, kind: str, name: str) -> Any:
     """The value a record holds for a mismatch's (kind, name)."""
     if kind in ("output", "eval_output"):
         tree = record.outputs if kind == "output" else record.eval_outputs
-        return {f"output{keystr(p)}": v for p, v in tree_flatten_with_path(tree)[0]}.get(name)
+        return dict(named_leaves(tree, "output")).get(name)
     table = {"input_grad": record.input_grads, "param_grad": record.param_grads,
              "buffer": record.buffers}[kind]
     return (table or {}).get(name)

@@ -11,19 +11,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fxopt.core.errors import ConfigError
-from fxopt.core.torch_private import (
-    TreeSpec,
-    keystr,
-    tree_flatten_with_path,
-    tree_structure,
-)
+from fxopt.core.trees import container_types, named_leaves, sketch
 
 # dtype -> (rtol, atol); an element passes when
 #     |candidate - reference| <= atol * min(1, scale) + rtol * |reference|   (scale: see below).
@@ -97,27 +91,13 @@ def structure_mismatch(name: str, detail: str) -> Mismatch:
     return Mismatch("structure", name, math.inf, math.inf, 0.0, 0.0, detail)
 
 
-def _container_types(spec: TreeSpec) -> Iterator[str]:
-    if not spec.is_leaf():
-        yield spec.type.__qualname__
-        for child in spec.children():
-            yield from _container_types(child)
-
-
-def _sketch(spec: TreeSpec) -> str:
-    if spec.is_leaf():
-        return "*"
-    return f"{spec.type.__name__}({', '.join(_sketch(c) for c in spec.children())})"
-
-
 def compare_trees(kind: str, ref: Any, cand: Any, tols: dict, mismatches: list[Mismatch]) -> int:
-    """Compare two output pytrees leaf by leaf; leaves are named ``output[0]['logits']``."""
-    ref_spec, cand_spec = tree_structure(ref), tree_structure(cand)
-    if Counter(_container_types(ref_spec)) != Counter(_container_types(cand_spec)):
-        sketches = f"{_sketch(ref_spec)[:80]} vs {_sketch(cand_spec)[:80]}"
+    """Compare two outputs leaf by leaf (walked by ``fxopt.core.trees``: dataclasses such as
+    ``ModelOutput``, dict subclasses, tuples); leaves are named ``output[0]['logits']``."""
+    if Counter(container_types(ref)) != Counter(container_types(cand)):
+        sketches = f"{sketch(ref)[:80]} vs {sketch(cand)[:80]}"
         mismatches.append(structure_mismatch("output", f"{kind} containers differ: {sketches}"))
-    named = [{f"output{keystr(path)}": leaf for path, leaf in tree_flatten_with_path(tree)[0]}
-             for tree in (ref, cand)]
+    named = [dict(named_leaves(tree, "output")) for tree in (ref, cand)]
     return compare_named(kind, *named, tols, mismatches)
 
 
