@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxopt
+import fxopt.export
+import fxopt.runtime.input_guard
+import fxopt.runtime.regions
 from fxopt.capture.chain import capture
 from fxopt.capture.trace import TraceInfo, trace
 from fxopt.core.errors import ConfigError, TraceError
@@ -236,3 +243,49 @@ def test_a_report_saved_before_the_frontend_fields_still_prints():
     assert "frontend" not in vars(report.trace)
     assert "captured by fx (symbolic tracing)" in str(report)
     assert report.as_dict()["trace"]["not_used"] == {}
+
+
+def test_an_export_captured_module_pickles_with_its_input_guard(tmp_path):
+    """The guard is a module attribute read by an importable function, so torch.save keeps it.
+    (A module with a graph per training mode does not pickle: fxopt.capture.train_eval.)"""
+    x = torch.randn(2, 5, WIDTH)
+    gm = fxopt.optimize(RootMask(), (x,))
+    assert gm.fxopt_report.trace.frontend == "export"
+    torch.save(gm, tmp_path / "gm.pt")
+    loaded = torch.load(tmp_path / "gm.pt", weights_only=False)
+    torch.testing.assert_close(loaded(x), gm(x), rtol=0, atol=0)
+    with pytest.raises(fxopt.InputError, match="x.shape\\[1\\] == 5 only"):
+        loaded(torch.randn(2, 6, WIDTH))
+
+
+def test_an_export_captured_checkpointed_gpt_exports_as_a_folder_that_guards_its_inputs(
+        gpt, tmp_path):
+    """fxopt.export writes the guard as code that raises without fxopt installed."""
+    model, idx = gpt
+    gm = fxopt.optimize(model, (idx,), memory_budget=0.5)
+    regions = [n for n in gm.graph.nodes if n.target is fxopt.runtime.regions.call_region]
+    assert regions, gm.code
+    guard = next(n for n in gm.graph.nodes if n.target is fxopt.runtime.input_guard.guard_inputs)
+    assert list(gm.graph.nodes).index(guard) < list(gm.graph.nodes).index(regions[0])
+
+    result = fxopt.export.export(gm, tmp_path / "folder", example_inputs=(idx,))
+    assert result.verification.ok and result.needs == []
+    assert "_runtime_fxopt_runtime_input_guard.py" in result.files
+    site_packages = Path(torch.__file__).resolve().parent.parent
+    script = textwrap.dedent(f"""
+        import importlib.util, sys
+        sys.path[:] = [p for p in sys.path if p not in ('', '.')]
+        sys.path += [{str(site_packages)!r}, {str(tmp_path)!r}]
+        assert importlib.util.find_spec('fxopt') is None
+        import torch, folder
+        net = folder.load()
+        try:
+            net(torch.zeros(4, {LENGTH - 1}, dtype=torch.long))
+        except Exception as error:
+            print(type(error).__name__, str(error).splitlines()[0])
+    """)
+    done = subprocess.run([sys.executable, "-S", "-I", "-c", script], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"InputError GPT was captured by torch.export for "
+                                  f"idx.shape[1] == {LENGTH} only"), done.stdout

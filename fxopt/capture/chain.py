@@ -9,9 +9,7 @@ fxopt has two capture frontends, both returning a GraphModule that owns the user
 - ``"export"``: ``torch.export`` (``fxopt.capture.export_frontend``). Follows Python that reads
   sizes (``torch.tril(torch.ones(T, T))`` with ``T`` from ``x.shape``) and decorated forwards,
   down to ATen operators, with no leaves; the module it returns refuses inputs unlike the
-  example (another sequence length, a batch of 1 when captured at 2 or more), and cannot be
-  saved with ``torch.save(module)`` or written as a folder by ``fxopt.export`` (its input guard
-  is an object, not importable code). It refuses hooks and ``torch.utils.checkpoint`` calls.
+  example (another sequence length, a batch of 1 when captured at 2 or more). It refuses hooks and ``torch.utils.checkpoint`` calls.
 
 ``"auto"`` (the default) takes symbolic tracing when it captures the whole model with no
 opaque leaf, so such models (torchvision's among them) get exactly what ``trace`` gives.

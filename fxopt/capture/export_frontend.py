@@ -33,8 +33,8 @@ differentiates it as it does the model, and dropout draws from the global RNG as
 Input sizes: dimension 0 of every tensor input is exported as ``Dim.AUTO`` (dynamic unless the
 model fixes it; a size of 0 or 1 is always fixed); every other dimension, dtype, device type,
 plain argument value (``None``, flags) and container structure is fixed. If export fails with a
-dynamic batch it is repeated with static sizes. The graph starts with a guard node (an
-``InputGuard`` call) that raises ``InputError`` when a call does not match what was captured (a
+dynamic batch it is repeated with static sizes. The graph starts with a guard node (``guard_inputs``
+reading the module's ``InputGuard``) that raises ``InputError`` when a call does not match what was captured (a
 different sequence length, a batch size outside the captured range, two batch sizes that must be
 equal and are not, ``labels=None`` when it was captured with labels), instead of computing
 something else. Arguments after the last one the example gives are not parameters of the
@@ -60,8 +60,7 @@ an expression (``y.shape[0] == 2 * x.shape[0]``: re-exported with static sizes, 
 ``ExportInfo.static_reason``). Not detected: submodules left in another training mode than the
 root on purpose (a frozen BatchNorm): the train graph has every module in train mode and the eval
 graph every module in eval mode, and a submodule's own flag is never read again. Not supported:
-``torch.save(module)`` and ``fxopt.export`` folders (the guard node is an object, not importable
-code), and inputs of another dtype (so ``fxopt.verify``'s float64 re-check of rounding
+inputs of another dtype (so ``fxopt.verify``'s float64 re-check of rounding
 differences cannot run on the captured module: it reports why in the mismatch). The graph's
 operators are ATen operators, not the module calls and ``torch.nn.functional`` calls fxopt's
 passes were written for: see ``tests/test_export_frontend.py`` for which passes apply.
@@ -103,10 +102,11 @@ from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy
 from fxopt.core.state import preserved_state
 from fxopt.core.torch_private import codegen_of
-from fxopt.runtime.input_guard import InputGuard, TensorSpec
+from fxopt.runtime.input_guard import InputGuard, TensorSpec, guard_inputs
 
 _ATTRIBUTE_PREFIX = "_fxopt_export_"
 _INNER = "inner"  # the model's attribute name inside the exported wrapper
+_GUARD = "_fxopt_input_guard"  # the captured module's attribute holding its InputGuard
 
 
 @dataclass(frozen=True)
@@ -304,8 +304,12 @@ def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: st
     assert specs is not None
     guard = InputGuard(model_name, tuple((p.name, p.recipe) for p in placeholders),
                        tuple(specs), _ranges(program), error=InputError)
-    torch.fx.node.has_side_effect(guard)  # so dead-code elimination keeps it
-    graph.call_function(guard, tuple(nodes))
+    guard_name = next((n for n, v in attributes.items()
+                       if isinstance(v, InputGuard) and v == guard), None)
+    if guard_name is None:  # the eval graph's guard is the train graph's unless sizes differ
+        guard_name = _GUARD if _GUARD not in attributes else f"{_GUARD}_{len(attributes)}"
+        attributes[guard_name] = guard
+    graph.call_function(guard_inputs, (graph.get_attr(guard_name), *nodes))
     leaves: dict[int, fx.Node] = {}
     for p, node in zip(placeholders, nodes):
         extract(graph, p.recipe, node, leaves)

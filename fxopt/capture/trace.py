@@ -65,6 +65,7 @@ from fxopt.core.modules import (
     share_tree,
     structural_copy,
 )
+from fxopt.runtime.input_guard import InputGuard, guard_inputs
 from fxopt.runtime.regions import CheckpointedRegion, call_region
 
 
@@ -104,7 +105,7 @@ class _FallbackTracer(fx.Tracer):
     def __init__(self, forced_leaves: frozenset[str] | set[str] = frozenset()):
         # A graph fxopt already checkpointed calls call_region(self._fxopt_region_0, ...):
         # recorded as that call, not traced through (which would drop the checkpointing).
-        super().__init__(autowrap_functions=(call_region,))
+        super().__init__(autowrap_functions=(call_region, guard_inputs))
         self.forced_leaves = forced_leaves
         self.hooked: dict[str, nn.Module] = {}  # path -> module made a leaf for its hooks
         self.record_stack_traces = True
@@ -152,7 +153,7 @@ class _FallbackTracer(fx.Tracer):
         if isinstance(a, collections.OrderedDict):
             return self.create_node("call_function", type(a),
                                     (super().create_arg(dict(a)),), {})
-        if isinstance(a, CheckpointedRegion):
+        if isinstance(a, (CheckpointedRegion, InputGuard)):
             name = next((k for k, v in vars(self.root).items() if v is a), None)
             if name is not None:
                 return self.create_node("get_attr", name, (), {})

@@ -9,7 +9,8 @@ to it and the outside modules it imports. The module holds:
 - one class per checkpointed region body, whose ``forward`` is torch.fx's own code generation of
   the body graph and whose ``__init__`` takes the root's modules exactly as torch.fx does;
 - the model class: ``__init__`` rebuilds the module tree (``fxopt.export.module_tree``), attaches the
-  constants and the regions (``CheckpointedRegion`` from the copied ``fxopt.runtime.regions``), and
+  constants, the input guard of an export-captured module (``InputGuard`` from the copied
+  ``fxopt.runtime.input_guard``, raising the copied ``fxopt.core.errors.InputError``) and the regions (``CheckpointedRegion`` from the copied ``fxopt.runtime.regions``), and
   ``forward`` is torch.fx's code generation of the root graph;
 - ``load(map_location)``: the class with ``state_dict.pt`` loaded (``weights_only=True``).
 
@@ -18,9 +19,11 @@ Names are described in ``fxopt.export.names``, the tree in ``fxopt.export.module
 
 from __future__ import annotations
 
+import dataclasses
 import keyword
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -29,6 +32,7 @@ from fxopt.capture.train_eval import dispatch_to_method, eval_graph
 from fxopt.core.errors import ExportError
 from fxopt.export.module_tree import TreeWriter, called_modules
 from fxopt.export.names import Imports
+from fxopt.runtime.input_guard import InputGuard
 from fxopt.runtime.regions import CheckpointedRegion
 
 # The method an exported module runs in eval mode when its forward depends on self.training
@@ -127,14 +131,42 @@ def _attach_constants(gm: fx.GraphModule, graphs: list[fx.Graph], tree: TreeWrit
         value = operator.attrgetter(node.target)(gm)
         if isinstance(value, nn.Module) or id(value) in known:
             continue
+        owner, _, name = node.target.rpartition(".")
+        owner_expr = f"self.get_submodule({owner!r})" if owner else "self"
+        if isinstance(value, InputGuard):
+            tree.lines.append(f"object.__setattr__({owner_expr}, {name!r}, "
+                              f"{_guard_source(value, tree.imports, node.target)})")
+            continue
         if not isinstance(value, torch.Tensor):
             raise ExportError(f"cannot export: the graph reads {node.target!r}, a "
                               f"{type(value).__name__}", where=f"node {node.name}",
                               hint="only tensors, parameters, buffers and modules can be exported")
-        owner, _, name = node.target.rpartition(".")
-        owner_expr = f"self.get_submodule({owner!r})" if owner else "self"
         tree.lines.append(f"object.__setattr__({owner_expr}, {name!r}, "
                           f"{tree.constant(value, node.target)})")
+
+
+def _guard_source(guard: InputGuard, imports: Imports, where: str) -> str:
+    """The constructor call that rebuilds ``guard`` (an export-captured module's input check)."""
+    def literal(value: Any) -> str:
+        if isinstance(value, type):
+            return imports.reference(value, where)
+        if isinstance(value, torch.dtype):
+            return str(value)
+        if dataclasses.is_dataclass(value):
+            fields = ", ".join(f"{f.name}={literal(getattr(value, f.name))}"
+                               for f in dataclasses.fields(value))
+            return f"{imports.reference(type(value), where)}({fields})"
+        if isinstance(value, tuple):
+            return f"({''.join(literal(v) + ', ' for v in value)})"
+        if isinstance(value, dict):
+            return f"{{{', '.join(f'{literal(k)}: {literal(v)}' for k, v in value.items())}}}"
+        if type(value) in (type(None), bool, int, float, str):
+            return repr(value)
+        raise ExportError(f"cannot export: the input guard holds a {type(value).__name__}",
+                          where=where, hint="report this model to fxopt")
+
+    return (f"{literal(InputGuard)}({literal(guard.model_name)}, {literal(guard.params)}, "
+            f"{literal(guard.tensors)}, {literal(guard.ranges)}, error={literal(guard.error)})")
 
 
 def _region_class(attr: str, region: CheckpointedRegion, name: str, imports: Imports) -> str:

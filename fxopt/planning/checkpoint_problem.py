@@ -16,6 +16,7 @@ from fxopt.analysis.writes import overwritten_inputs
 from fxopt.capture.meta import placeholder_values
 from fxopt.core.tensors import allocated_bytes, tensor_bytes
 from fxopt.planning.solver import CheckpointProblem, NodeInfo
+from fxopt.runtime.input_guard import guard_inputs
 from fxopt.runtime.regions import call_region
 
 _CALL_OPS = ("call_function", "call_method", "call_module")
@@ -125,7 +126,8 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True
             internal_bytes=info.internal_bytes if info else 0,
             reads=names(node.all_input_nodes),
             heavy=costs[node].heavy if node in costs else False,
-            recomputable=node.target is not call_region,
+            # A region is not checkpointed again; the input guard runs once, before any region.
+            recomputable=node.target not in (call_region, guard_inputs),
             mutates=rep[mutated].name if mutated is not None and rep.get(mutated) else None,
             grad_bytes=grads.get(node, 0),
             grad_live_bytes=grad_live[i],

@@ -1,7 +1,8 @@
 """The guard an export-captured module calls first: ``InputGuard``, and the recipes it matches.
 
 ``fxopt.capture.export_frontend`` captures a model for one example call. The graph it builds
-starts with an ``InputGuard`` node that compares each call's arguments with what was captured
+starts with a ``guard_inputs(self._fxopt_input_guard, *arguments)`` node: the ``InputGuard``
+it reads, a plain attribute of the module, compares each call's arguments with what was captured
 (containers and their keys, plain values built into the graph, tensor dtypes, device types,
 ranks, fixed sizes, and the ranges and equalities of the sizes left dynamic) and raises before
 the graph computes something else. A *recipe* (``Leaf``, ``Const``, ``Seq``, ``Map``,
@@ -12,9 +13,9 @@ A mismatch raises the error class the guard was given (fxopt gives
 ``fxopt.core.errors.InputError``, which this module may not import: see the last line). Under
 symbolic tracing (an fx proxy among the arguments) the guard records itself as a graph node
 instead, so optimizing a captured module keeps it. It checks inputs only, not what forward
-does with them. Not handled: pickling a guard whose recipes name classes defined inside a
-function; exporting it as code (``fxopt.export`` refuses it: it is an object, not an importable
-name). Imports torch and the standard library only (``tests/test_layers.py``), like all of
+does with them. The guard pickles with the module (``torch.save``), and ``fxopt.export`` writes
+it as a constructor call. Not handled: recipes naming classes defined inside a function (they
+neither pickle nor export). Imports torch and the standard library only (``tests/test_layers.py``), like all of
 ``fxopt.runtime``.
 """
 
@@ -209,3 +210,12 @@ def _same_plain(a: Any, b: Any) -> bool:
 def describe(value: Any) -> str:
     return repr(value) if type(value) in PLAIN else f"a {type(value).__name__}"
 
+
+def guard_inputs(guard: InputGuard, *values: Any) -> None:
+    """What the captured graph calls first: ``guard(*values)``. A function, so the graph's code
+    names it by import (``torch.save`` and ``fxopt.export`` need that), with the guard object
+    itself read from the module."""
+    guard(*values)
+
+
+torch.fx.node.has_side_effect(guard_inputs)  # dead-code elimination must keep it
