@@ -44,7 +44,8 @@ def optimize(
 
     ``passes``: None for the default pipeline, a list of names or (name, options) pairs, or a
     spec string like ``"inplace,checkpoint{budget=0.5}"``. ``memory_budget``: bytes, a string
-    ("2GiB"), or a fraction of the unoptimized activation memory; it enables checkpointing.
+    ("2GiB"), a fraction of the unoptimized activation memory, or ``"min"`` (the least memory
+    checkpointing reaches, at whatever recompute time); it enables checkpointing.
     ``verify``: run the equivalence check and raise ``EquivalenceError`` on any mismatch.
     ``measure_memory``: measure peak memory before and after (real training steps).
     ``registry``: the passes to choose from (default ``passes.REGISTRY``); add a pass of your own

@@ -8,7 +8,9 @@ outputs where the plan says so, and BatchNorm buffers restored after recomputati
 
 Budget: bytes (int), a size string ("2GiB", "300MB"), or a fraction 0 < f <= 1 of the
 unoptimized *activation memory* (the predicted peak minus parameters, buffers, inputs and
-parameter gradients): budget = peak - (1 - f) * activations.
+parameter gradients): budget = peak - (1 - f) * activations. ``"min"``: the least-memory plan
+the solver finds, whatever it costs in recompute time (no ``BudgetError``; the graph is left as
+it is when no plan predicts less than the original).
 
 Prediction: the solver's model is checked against ``estimate_peak`` (a fake-tensor run of the
 rewritten forward *and* backward, recomputation included); when the model was optimistic the
@@ -38,9 +40,14 @@ from fxopt.analysis import estimate_peak
 from fxopt.capture.meta import placeholder_values, refresh_meta
 from fxopt.capture.trace import graph_module_like
 from fxopt.core.torch_private import copy_codegen
-from fxopt.planning.budget import activation_bytes, budget_bytes, trainable_grad_bytes
+from fxopt.planning.budget import (
+    activation_bytes,
+    budget_bytes,
+    is_min,
+    trainable_grad_bytes,
+)
 from fxopt.planning.checkpoint_problem import build_problem
-from fxopt.planning.checkpoint_search import search_plan
+from fxopt.planning.checkpoint_search import least_memory_plan, search_plan
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
 from fxopt.rewrite.pass_base import PassResult, mark_new
 from fxopt.rewrite.subgraph import extract_subgraph, region_io
@@ -117,10 +124,18 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
         stats["predicted_after"] = peak
         return PassResult(gm, False, stats)
     problem, forward = build_problem(gm, profile=profile)
-    predicted, plan = search_plan(
-        problem, target=target, unoptimized_peak=peak,
-        predict=lambda candidate: _predict(gm, forward, candidate),
-        max_region_atoms=max_region_atoms, where=f"checkpoint pass, budget={budget!r}")
+    predict = lambda candidate: _predict(gm, forward, candidate)  # noqa: E731
+    if is_min(budget):
+        found = least_memory_plan(problem, predict, max_region_atoms)
+        if found is None or found[0] >= peak:
+            stats.update(predicted_after=peak, reason="no plan predicts less than the original")
+            return PassResult(gm, False, stats)
+        predicted, plan = found
+        stats["budget_bytes"] = predicted
+    else:
+        predicted, plan = search_plan(
+            problem, target=target, unoptimized_peak=peak, predict=predict,
+            max_region_atoms=max_region_atoms, where=f"checkpoint pass, budget={budget!r}")
     stats["regions"] = apply_plan(gm, forward, plan)
     gm.recompile()
     refresh_meta(gm)

@@ -32,6 +32,8 @@ from fxopt.planning.budget import (
     ("1", ("fraction", 1.0)),            # a bare number in (0, 1] (CLI strings): a fraction
     (".75", ("fraction", 0.75)),
     (3.0, ("bytes", 3)),                 # a whole float above 1: bytes
+    ("min", ("min", 0.0)),               # the least-memory plan
+    (" MIN ", ("min", 0.0)),
 ])
 def test_parse_budget(budget, expected):
     assert parse_budget(budget) == expected

@@ -163,9 +163,11 @@ def test_fx_with_leaves_when_export_fails_too_and_both_reasons_when_neither_work
     assert name == "export" and why.startswith("torch.export cannot capture Gated.forward")
     with pytest.raises(TraceError) as error:
         capture(RootGated(), (x,))
-    assert error.value.what.startswith("torch.fx cannot trace RootGated.forward")
-    assert "torch.export cannot capture it either: torch.export cannot capture" in \
+    # export's reason leads: it ran forward as Python and names the line that stopped it
+    assert error.value.what.startswith("torch.export cannot capture RootGated.forward")
+    assert "(symbolic tracing cannot capture it either: torch.fx cannot trace RootGated" in \
         error.value.what
+    assert "in forward: return self.lin(x) if x.sum() > 0" in error.value.where
 
 
 def test_auto_does_not_export_frozen_submodules_or_leaf_modules_and_validates_the_option():

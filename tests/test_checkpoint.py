@@ -82,6 +82,18 @@ def test_impossible_budget_names_the_smallest_peak(model_and_input):
     assert measure_train_step(gm, x).peak_bytes <= smallest
 
 
+def test_min_budget_is_the_least_memory_plan_and_never_a_budget_error(model_and_input):
+    model, x = model_and_input
+    with pytest.raises(BudgetError) as info:
+        fxopt.optimize(model, x, memory_budget=1000)
+    gm = fxopt.optimize(model, x, memory_budget="min")
+    stats = next(p for p in gm.fxopt_report.passes if p.name == "checkpoint").stats
+    assert stats["predicted_after"] == info.value.smallest_bytes == stats["budget_bytes"]
+    assert gm.fxopt_report.verification.ok
+    assert measure_train_step(gm, x).peak_bytes <= stats["predicted_after"]
+    assert measure_train_step(gm, x).peak_bytes < measure_train_step(model, x).peak_bytes
+
+
 def test_idempotent_and_generous_budget_is_a_no_op(model_and_input):
     model, x = model_and_input
     gm = trace(model, x)

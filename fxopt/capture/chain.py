@@ -108,11 +108,15 @@ def _auto(model: nn.Module, args: tuple, leaf_modules: tuple[str, ...]
             return exported, (("fx", why_not_fx),)
     if traced is not None:
         return traced, (("export", why_not_export),)
-    # Both failed: torch.export's reason is the actionable one when tracing failed on the root's
-    # signature (a decorated forward), which no change to the model's code would fix.
-    lead = export_error if export_error is not None and "co_varnames" in fx_error.what else None
+    # Both failed at the root: torch.export's reason comes first, as it ran forward as Python and
+    # names the line that stopped it (symbolic tracing may fail earlier, on a decorated forward's
+    # signature, which no change to the model's code would fix).
+    if export_error is not None:
+        raise TraceError(f"{export_error.what}\n(symbolic tracing cannot capture it either: "
+                         f"{_first_line(fx_error)})", where=export_error.where,
+                         hint=export_error.hint) from export_error
     raise TraceError(f"{fx_error.what}\ntorch.export cannot capture it either: {why_not_export}",
-                     where=(lead or fx_error).where, hint=(lead or fx_error).hint) from fx_error
+                     where=fx_error.where, hint=fx_error.hint) from fx_error
 
 
 def _export_blocker(model: nn.Module, leaf_modules: tuple[str, ...]) -> str | None:

@@ -280,8 +280,10 @@ def _trace_error(model: nn.Module, error: BaseException, mode: str) -> TraceErro
     first = text.splitlines()[0] if text else ""
     name = type(error).__name__
     if "data" in name.lower() or "data-dependent" in text or "DataDependent" in text:
-        hint = ("forward branches on tensor values; rewrite it with torch.where / torch.cond, or "
-                "use fxopt.trace(model, inputs), which keeps such code as an opaque leaf")
+        hint = ("forward branches on tensor values; rewrite it with torch.where / torch.cond, or, "
+                "when the branch is in a submodule's forward, capture with capture='fx', which "
+                "keeps that submodule as an opaque leaf (a branch in the root's own forward "
+                "stops both frontends)")
     else:
         hint = ("use fxopt.trace(model, inputs) (symbolic tracing, with opaque-leaf fallback), or "
                 "run torch.export.draft_export(model, args, kwargs) to list every problem")

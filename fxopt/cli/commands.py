@@ -76,7 +76,8 @@ def _common(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     parser.add_argument("--passes", default=None,
                         help="e.g. inplace,checkpoint{budget=0.5},reorder (default: all defaults)")
     parser.add_argument("--memory-budget", default=None,
-                        help="bytes, '2GiB', '300MB' or a fraction of activation memory (0.5)")
+                        help="bytes, '2GiB', '300MB', a fraction of activation memory (0.5), or "
+                             "'min' (the least memory checkpointing reaches)")
     parser.add_argument("--capture", default="auto", choices=["auto", "fx", "export"],
                         help="how to capture the model: fx (symbolic tracing), export "
                              "(torch.export), or auto (fx when it captures the whole model, "

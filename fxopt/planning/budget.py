@@ -1,4 +1,5 @@
-"""Memory budgets as users write them: bytes, "2GiB" / "300MB", or a fraction of activations."""
+"""Memory budgets as users write them: bytes, "2GiB" / "300MB", a fraction of activations, or
+"min" (the least memory the checkpoint pass can reach, whatever it costs in time)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,22 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
+MIN = "min"
+
+
+def is_min(budget: object) -> bool:
+    """Whether ``budget`` asks for the least-memory plan."""
+    return isinstance(budget, str) and budget.strip().lower() == MIN
+
+
 def parse_budget(budget: int | float | str) -> tuple[str, float]:
-    """``("bytes", n)`` or ``("fraction", f)`` with 0 < f <= 1; anything else is a ConfigError.
+    """``("bytes", n)``, ``("fraction", f)`` with 0 < f <= 1, or ``("min", 0.0)``; anything else
+    is a ConfigError.
 
     A bare number in (0, 1] is a fraction; an int or a number with a unit is bytes.
     """
+    if is_min(budget):
+        return MIN, 0.0
     if isinstance(budget, bool):
         raise ConfigError(f"memory budget {budget!r} is not a size",
                           hint="give bytes (int), a size such as '2GiB', or a fraction 0 < f <= 1")
@@ -32,7 +44,7 @@ def parse_budget(budget: int | float | str) -> tuple[str, float]:
             raise ConfigError(
                 f"cannot read memory budget {budget!r}",
                 hint="write bytes (e.g. 2147483648), a size with a unit (300MB, 2GiB), "
-                "or a fraction of activation memory (0.5)",
+                "a fraction of activation memory (0.5), or 'min' for the least memory",
             )
         value, unit = float(match.group(1)), match.group(2).lower()
     if unit == "" and 0 < value <= 1:
@@ -59,8 +71,11 @@ def activation_bytes(peak: int, baseline: int, grad_bytes: int) -> int:
 
 
 def budget_bytes(budget: int | float | str, *, peak: int, activations: int) -> int:
-    """The budget in bytes; a fraction f keeps f of the activations: ``peak - (1 - f) * act``."""
+    """The budget in bytes; a fraction f keeps f of the activations: ``peak - (1 - f) * act``;
+    "min" is 0 (the caller looks for the least-memory plan instead)."""
     kind, value = parse_budget(budget)
+    if kind == MIN:
+        return 0
     if kind == "bytes":
         return int(value)
     return int(peak - (1 - value) * activations)
@@ -69,7 +84,7 @@ def budget_bytes(budget: int | float | str, *, peak: int, activations: int) -> i
 def budget_fraction(budget: int | float | str, *, peak: int, activations: int) -> float:
     """The budget as a fraction of activation memory (clamped to [0, 1]), for tools taking one."""
     kind, value = parse_budget(budget)
-    if kind == "fraction":
+    if kind in ("fraction", MIN):
         return value
     if activations <= 0:
         return 1.0
