@@ -136,3 +136,10 @@ def test_the_scan_sees_each_kind_of_private_use():
                "self._parameters\n")
     assert len(private_uses(planted, containers_allowed=False)) == 5
     assert len(private_uses(planted, containers_allowed=True)) == 4
+
+
+def test_written_arguments_reads_the_schema():
+    assert private.written_arguments(torch.ops.aten.relu_.default) == ((0, "self"),)
+    assert private.written_arguments(torch.ops.aten.copy_.default) == ((0, "self"),)
+    assert private.written_arguments(torch.ops.aten.relu.default) == ()
+    assert private.written_arguments(torch.relu) is None

@@ -166,3 +166,33 @@ def test_aten_style_norms_write_their_running_statistics(norm):
     nodes = {n.name: n for n in gm.graph.nodes}
     (call,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert overwritten_inputs(gm, call) == [nodes["mean"], nodes["var"]]
+
+
+class AtenWriters(nn.Module):
+    """What torch.export records for in-place activations and BatchNorm in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.LeakyReLU(0.1, inplace=True)
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x)))
+
+
+def test_aten_operators_write_what_their_schema_marks_and_batch_norm_its_statistics():
+    from fxopt.capture.export_frontend import capture_with_export
+
+    gm = capture_with_export(AtenWriters(), (torch.randn(2, 3, 8, 8),))
+    by_target = {}
+    for node in gm.graph.nodes:
+        by_target.setdefault(node.target, []).append(node)
+    (leaky,) = by_target[torch.ops.aten.leaky_relu_.default]
+    assert overwritten_inputs(gm, leaky) == [leaky.args[0]]
+    (norm,) = by_target[torch.ops.aten.batch_norm.default]
+    written = overwritten_inputs(gm, norm)
+    assert [w.target for w in written] == ["bn.running_mean", "bn.running_var"]
+    (conv,) = by_target[torch.ops.aten.conv2d.default]
+    assert overwritten_inputs(gm, conv) == []
+

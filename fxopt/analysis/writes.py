@@ -7,7 +7,10 @@ recomputes nodes.
 - ``relu_``, ``x.add_(...)``, ``F.relu(x, inplace=True)``, ``x += y``, ``x[i] = v``: the first
   argument;
 - ``F.batch_norm`` / ``F.instance_norm`` given running statistics: those buffers, which they
-  update in training (``pad_channels`` writes BatchNorm this way, on padded copies).
+  update in training (``pad_channels`` writes BatchNorm this way, on padded copies); so does
+  ``aten.batch_norm`` in torch.export's graphs, whose schema does not say so;
+- an ATen operator (torch.export's graphs): every argument its schema marks as written
+  (``Tensor(a!)``: ``aten.leaky_relu_``'s input, ``aten.copy_``'s destination).
 
 Decided from the call alone (names and flags), not from a run: an in-place op whose name does not
 end in ``_`` and is not listed here is not seen. Opaque modules that mutate their inputs without
@@ -22,6 +25,8 @@ import operator
 import torch
 from torch import fx
 
+from fxopt.core.torch_private import written_arguments
+
 INPLACE_OPERATORS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
@@ -32,7 +37,9 @@ INPLACE_OPERATORS = frozenset({
 # torch.batch_norm(input, weight, bias, running_mean, running_var, ...).
 STATISTICS_UPDATERS = {torch.nn.functional.batch_norm: (1, 2),
                        torch.nn.functional.instance_norm: (1, 2),
-                       torch.batch_norm: (3, 4), torch.instance_norm: (3, 4)}
+                       torch.batch_norm: (3, 4), torch.instance_norm: (3, 4),
+                       torch.ops.aten.batch_norm.default: (3, 4),
+                       torch.ops.aten.instance_norm.default: (3, 4)}
 
 
 def _trailing_underscore(name: object) -> bool:
@@ -48,6 +55,10 @@ def overwritten_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
         stats = [node.args[i] for i in positions if i < len(node.args)]
         stats += [node.kwargs.get("running_mean"), node.kwargs.get("running_var")]
         return [a for a in stats if isinstance(a, fx.Node)]
+    elif node.op == "call_function" and written_arguments(node.target) is not None:
+        written = [node.args[i] if i < len(node.args) else node.kwargs.get(name)
+                   for i, name in written_arguments(node.target)]
+        return [a for a in written if isinstance(a, fx.Node)]
     elif node.op == "call_function":
         writes_first = (node.target in INPLACE_OPERATORS or node.kwargs.get("inplace") is True
                         or _trailing_underscore(getattr(node.target, "__name__", "")))

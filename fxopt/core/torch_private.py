@@ -50,6 +50,16 @@ from torch.utils._pytree import (
 _FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
 
+def written_arguments(target: Any) -> tuple[tuple[int, str], ...] | None:
+    """(position, name) of every argument an ATen operator writes in place (``Tensor(a!)`` in its
+    schema: ``aten.relu_``'s self, ``aten.add.out``'s out), or None when ``target`` is not an
+    ATen operator overload."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    return tuple((index, argument.name) for index, argument in enumerate(target._schema.arguments)
+                 if argument.alias_info is not None and argument.alias_info.is_write)
+
+
 def disable_current_modes() -> contextlib.AbstractContextManager:
     """Run real kernels inside a fake-tensor or dispatch mode."""
     return _disable_current_modes()
@@ -173,4 +183,5 @@ __all__ = [
     "tree_structure",
     "tree_unflatten",
     "unset_fake_temporarily",
+    "written_arguments",
 ]
