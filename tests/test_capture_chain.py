@@ -291,3 +291,18 @@ def test_an_export_captured_checkpointed_gpt_exports_as_a_folder_that_guards_its
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith(f"InputError GPT was captured by torch.export for "
                                   f"idx.shape[1] == {LENGTH} only"), done.stdout
+
+
+def test_least_memory_plan_of_the_gpt_uses_no_more_than_any_fraction(gpt):
+    """'min' weighs the solver's least-memory plan against one region per block and keeps the
+    lower prediction; measured, it holds no more than any fraction's plan."""
+    model, idx = gpt
+    least = fxopt.optimize(model, (idx,), memory_budget="min")
+    assert least.fxopt_report.verification.ok
+    peak = fxopt.measure_train_step(least, (idx,)).peak_bytes
+    for fraction in (0.5, 0.3):
+        try:
+            other = fxopt.optimize(model, (idx,), memory_budget=fraction, verify=False)
+        except fxopt.BudgetError:
+            continue
+        assert peak <= fxopt.measure_train_step(other, (idx,)).peak_bytes

@@ -16,6 +16,7 @@ from fxopt.planning.solver import (
     Region,
     _arc,
     atom_starts,
+    block_plan,
     modelled_bytes,
     plan_checkpoints,
 )
@@ -113,3 +114,42 @@ def test_solver_time_on_resnet152_sized_graph():
     per_solve = (time.perf_counter() - started) / 2
     print(f"resnet152: {len(problem.nodes)} nodes, {per_solve:.2f} s per solve")
     assert per_solve < 2.0
+
+
+def pre_norm_layers(layers: int) -> CheckpointProblem:
+    """A guard, an embedding, then pre-norm layers (norm -> matmul -> act -> matmul -> add)."""
+    nodes = [NodeInfo("guard", 0.0, recomputable=False), NodeInfo("embed", 1.0)]
+    sizes, h = {"embed": 64}, "embed"
+    for i in range(layers):
+        block = f"layers.{i}"
+        nodes += [NodeInfo(f"norm{i}", 1, saved=frozenset({h}), reads=frozenset({h}), block=block),
+                  NodeInfo(f"up{i}", 5, saved=frozenset({f"norm{i}"}),
+                           reads=frozenset({f"norm{i}"}), heavy=True, block=block),
+                  NodeInfo(f"act{i}", 1, saved=frozenset({f"up{i}"}), reads=frozenset({f"up{i}"}),
+                           block=block),
+                  NodeInfo(f"down{i}", 5, saved=frozenset({f"act{i}"}),
+                           reads=frozenset({f"act{i}"}), heavy=True, block=block),
+                  NodeInfo(f"add{i}", 0.1, reads=frozenset({h, f"down{i}"}), block=block)]
+        sizes.update({f"norm{i}": 64, f"up{i}": 256, f"act{i}": 256, f"down{i}": 64,
+                      f"add{i}": 64})
+        h = f"add{i}"
+    nodes.append(NodeInfo("head", 5, saved=frozenset({h}), reads=frozenset({h}), heavy=True))
+    sizes["head"] = 64
+    return CheckpointProblem(nodes, sizes)
+
+
+def test_atoms_start_at_each_repeated_block_not_only_at_heavy_nodes():
+    problem = pre_norm_layers(3)
+    names = [problem.nodes[i].name for i in atom_starts(problem)]
+    assert names == ["guard", "norm0", "up0", "down0", "norm1", "up1", "down1", "norm2", "up2",
+                     "down2", "head"]
+
+
+def test_block_plan_is_one_full_region_per_layer_the_first_taking_in_the_embedding():
+    problem = pre_norm_layers(3)
+    plan = block_plan(problem)
+    spans = [(problem.nodes[r.start].name, problem.nodes[r.stop - 1].name, r.mode)
+             for r in plan.regions]
+    assert spans == [("embed", "add0", FULL), ("norm1", "add1", FULL), ("norm2", "add2", FULL)]
+    assert plan.kept_bytes == modelled_bytes(problem, plan)
+    assert block_plan(chain(4, random.Random(0))) is None  # no blocks: no such candidate

@@ -93,6 +93,17 @@ def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
     return True
 
 
+def repeated_block(node: fx.Node) -> str | None:
+    """The outermost numbered module ``node`` runs in (``model.layers.3``, ``blocks.0``): one of
+    a ModuleList's or Sequential's items, read off the module stack both frontends record."""
+    for path, _kind in (node.meta.get("nn_module_stack") or {}).values():
+        parts = str(path).split(".")
+        numbered = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if numbered is not None:
+            return ".".join(parts[:numbered + 1])
+    return None
+
+
 def build_problem(gm: fx.GraphModule, *, profile: bool = True
                   ) -> tuple[CheckpointProblem, list[fx.Node]]:
     """The solver's view of ``gm``, and the forward nodes in the order the problem lists them.
@@ -113,6 +124,7 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True
         return frozenset(rep[n].name for n in nodes
                          if rep.get(n) is not None and rep[n].name in value_bytes)
 
+    blocks = [repeated_block(node) for node in forward]
     grads = _first_use_grad_bytes(gm, forward)
     grad_live = _grad_live_bytes(forward, rep, value_bytes)
     infos = []
@@ -131,5 +143,6 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True
             mutates=rep[mutated].name if mutated is not None and rep.get(mutated) else None,
             grad_bytes=grads.get(node, 0),
             grad_live_bytes=grad_live[i],
+            block=blocks[i],
         ))
     return CheckpointProblem(infos, value_bytes), forward

@@ -22,7 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fxopt.core.errors import BudgetError
-from fxopt.planning.solver import CheckpointPlan, CheckpointProblem, plan_checkpoints
+from fxopt.planning.solver import (
+    CheckpointPlan,
+    CheckpointProblem,
+    block_plan,
+    plan_checkpoints,
+)
 
 Predict = Callable[[CheckpointPlan], int]
 Predicted = tuple[int, CheckpointPlan]
@@ -61,7 +66,20 @@ def search_plan(problem: CheckpointProblem, *, target: int, unoptimized_peak: in
 
 def least_memory_plan(problem: CheckpointProblem, predict: Predict,
                       max_region_atoms: int) -> Predicted | None:
-    """(predicted peak, plan) of the least-memory plan the solver finds (bisecting its budget)."""
+    """(predicted peak, plan) of the least-memory plan: the solver's (bisecting its budget) or,
+    when predicted lower, one full region per repeated block (``solver.block_plan``)."""
+    candidates = [found for found in (_solver_least_memory(problem, predict, max_region_atoms),
+                                      _predicted(block_plan(problem), predict))
+                  if found is not None]
+    return min(candidates, key=lambda found: (found[0], found[1].extra_seconds), default=None)
+
+
+def _predicted(plan: CheckpointPlan | None, predict: Predict) -> Predicted | None:
+    return None if plan is None else (predict(plan), plan)
+
+
+def _solver_least_memory(problem: CheckpointProblem, predict: Predict,
+                         max_region_atoms: int) -> Predicted | None:
     low, high = 0, problem.kept_without_checkpointing()
     best_plan = None
     for _ in range(12):

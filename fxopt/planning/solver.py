@@ -54,6 +54,7 @@ class NodeInfo:
     heavy: bool = False                  # conv/matmul: kept by selective recompute
     recomputable: bool = True            # False for nodes that must never run twice
     mutates: str | None = None           # value this node overwrites in place, if any
+    block: str | None = None             # the repeated block it runs in ("model.layers.3")
     grad_bytes: int = 0                  # parameter gradients this node's backward allocates
     grad_live_bytes: int = 0             # activation gradients alive while its backward runs
 
@@ -101,8 +102,47 @@ class CheckpointPlan:
 
 
 def atom_starts(problem: CheckpointProblem) -> list[int]:
-    """Node indices where atoms begin: at node 0 and at every heavy node."""
-    return [0] + [i for i, n in enumerate(problem.nodes) if i and n.heavy]
+    """Node indices where atoms begin: at node 0, at every heavy node, and at the first node of
+    every repeated block. Without the last, a region could only start at a heavy node: a
+    transformer layer opens with a norm before its first matmul, so every cut would keep both
+    the residual stream and its normed copy, where a cut at the layer's start keeps one."""
+    nodes = problem.nodes
+    return [0] + [i for i, n in enumerate(nodes) if i and (
+        n.heavy or (n.block is not None and n.block != nodes[i - 1].block))]
+
+
+def block_plan(problem: CheckpointProblem) -> CheckpointPlan | None:
+    """One full region per repeated block, what Hugging Face's ``gradient_checkpointing_enable``
+    and torchtitan's full activation checkpointing do; None when the graph has no such blocks or
+    none can be a region. A candidate the search weighs against the solver's own plans: the
+    solver's model counts a region's whole recompute working set at once, which ranks one region
+    per layer below two half-layer regions that keep twice the boundary values."""
+    spans: list[tuple[int, int]] = []
+    for i, node in enumerate(problem.nodes):
+        if node.block is None:
+            continue
+        if spans and problem.nodes[spans[-1][1] - 1].block == node.block and spans[-1][1] == i:
+            spans[-1] = (spans[-1][0], i + 1)
+        else:
+            spans.append((i, i + 1))
+    if spans:  # the first block takes in what precedes it (embeddings), as far as allowed
+        lo = spans[0][0]
+        while lo > 0 and _region_allowed(problem.nodes[lo - 1:spans[0][1]]):
+            lo -= 1
+        spans[0] = (lo, spans[0][1])
+    regions = []
+    for lo, hi in spans:
+        if hi - lo < 2 or not _region_allowed(problem.nodes[lo:hi]):
+            continue
+        arc = _arc(problem, lo, hi, FULL)
+        freed = kept_by(problem, _arc(problem, lo, hi, NORMAL)) - kept_by(problem, arc)
+        if freed > 0:
+            regions.append(Region(lo, hi, FULL, arc.seconds, arc.working, freed))
+    if not regions:
+        return None
+    plan = CheckpointPlan(regions, extra_seconds=sum(r.extra_seconds for r in regions))
+    plan.kept_bytes = modelled_bytes(problem, plan)
+    return plan
 
 
 @dataclass(frozen=True)
