@@ -17,6 +17,7 @@ from torch import fx, nn
 import passes as builtin_passes
 from fxopt.capture.chain import capture as capture_model
 from fxopt.capture.chain import check_capture_option
+from fxopt.capture.train_eval import refuse_pickling
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.state import preserved_state
 from fxopt.measure.peaks import measure
@@ -86,6 +87,7 @@ def optimize(
         report = Report(model=type(model).__name__, trace=gm.meta["fxopt_trace"])
         report.passes = run_passes(gm, config, registry)
     copy_training_flags(model, gm)
+    refuse_pickling(gm)  # a pass may have rebuilt the module
     if verify:
         report.verification = run_verify(model, gm, args, strict=True)
     if measure_memory:

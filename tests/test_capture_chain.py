@@ -306,3 +306,12 @@ def test_least_memory_plan_of_the_gpt_uses_no_more_than_any_fraction(gpt):
         except fxopt.BudgetError:
             continue
         assert peak <= fxopt.measure_train_step(other, (idx,)).peak_bytes
+
+
+def test_torch_save_of_a_module_with_a_graph_per_mode_is_a_clear_error(gpt, tmp_path):
+    model, idx = gpt
+    gm = fxopt.optimize(model, (idx,))
+    with pytest.raises(fxopt.ExportError, match="graph per training mode") as info:
+        torch.save(gm, tmp_path / "gm.pt")
+    assert "state_dict()" in info.value.hint and "fxopt.export" in info.value.hint
+    torch.save(gm.state_dict(), tmp_path / "state.pt")  # what the error suggests works

@@ -15,7 +15,9 @@ Tracing the optimized module again (optimizing it twice) sees ordinary Python an
 dispatch. Leaf modules (BatchNorm, Dropout, opaque fallbacks) check their own ``training`` flag
 when they run, so they never need this.
 
-Not handled: pickling the module with ``torch.save(module)`` (save ``state_dict()`` instead), and a
+Not handled: pickling the module with ``torch.save(module)``, which would re-trace one path of its
+code on load and lose the eval-mode graph, so it raises ``ExportError`` saying to save
+``state_dict()`` or write a folder with ``fxopt.export`` (see ``refuse_pickling``), and a
 model whose non-leaf modules are left in mixed modes on purpose: the train-mode graph is the one
 with every module in train mode.
 """
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxopt.core.errors import TraceError
+from fxopt.core.errors import ExportError, TraceError
 from fxopt.core.torch_private import CodeGen, codegen_of, has_plain_codegen
 from fxopt.runtime.eval_forward import EvalForward
 
@@ -107,6 +109,24 @@ def install_eval_graph(gm: fx.GraphModule, eval_graph: fx.Graph) -> None:
     eval_module = fx.GraphModule(gm, eval_graph, class_name=f"{type(gm).__name__}Eval")
     gm.graph.set_codegen(ModeDispatchCodeGen(EvalForward(eval_module)))
     gm.recompile()
+    refuse_pickling(gm)
+
+
+def refuse_pickling(gm: fx.GraphModule) -> None:
+    """Make ``torch.save(gm)`` / ``pickle.dumps(gm)`` of a module with a graph per training mode
+    raise ``ExportError``: torch.fx pickles the generated code and re-traces it on load, following
+    only the train-mode path. ``gm``'s class is its own (torch.fx makes one per instance)."""
+    if has_eval_graph(gm):
+        type(gm).__reduce__ = _refuse_reduce
+
+
+def _refuse_reduce(self: fx.GraphModule) -> Any:
+    raise ExportError(
+        f"{type(self).__name__} has a graph per training mode, which torch.save cannot keep "
+        "(torch.fx re-traces one path of the code when loading)",
+        where="torch.save / pickle",
+        hint="save module.state_dict() and load it into a newly optimized model, or write a "
+             "folder that loads with torch alone: fxopt.export.export(module, 'out_dir')")
 
 
 def has_eval_graph(gm: fx.GraphModule) -> bool:
