@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import passes as registry
 from fxopt.check import SCHEMA
@@ -248,3 +249,43 @@ def test_entry_points_as_subprocesses(tmp_path):
     code, out, err = done["bench"]  # its table is tested in-process; here the exit path
     assert code == 2 and "unknown peer(s) ['checkpoint_sequentail']" in err
     assert "known peers: checkpoint_sequential" in err and "Traceback" not in err
+
+
+KEYWORDS = """
+import torch
+from torch import nn
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, mask=None, labels=None):
+        logits = self.fc(x if mask is None else x * mask)
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return {"loss": loss, "logits": logits}
+"""
+
+
+def test_keyword_inputs_from_a_file_and_ecosystem_targets(tmp_path, capsys):
+    (tmp_path / "kw.py").write_text(KEYWORDS)
+    torch.save({"x": torch.randn(4, 6), "labels": torch.tensor([0, 2, 1, 0])},
+               tmp_path / "inputs.pt")
+    code, out, _ = run(["optimize", f"{tmp_path / 'kw.py'}:Classifier", "--inputs",
+                        str(tmp_path / "inputs.pt"), "--out", str(tmp_path / "out"),
+                        "--repeats", "1"], capsys)
+    assert code == 0 and "verification: equivalent: 2 output" in out, out
+    document = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert document["input_shapes"] == [[4, 6], "None", [4]]  # mask skipped: its default
+    torch.save([torch.randn(4, 6)], tmp_path / "positional.pt")
+    code, out, _ = run(["check", f"{tmp_path / 'kw.py'}:Classifier", "--inputs",
+                        str(tmp_path / "positional.pt")], capsys)
+    assert code == 0, out
+    code, _, err = run(["optimize", f"{tmp_path / 'kw.py'}:Classifier", "--inputs",
+                        str(tmp_path / "missing.pt")], capsys)
+    assert code == 2 and "cannot read --inputs" in err
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("eco: targets need the test extra")
+    code, out, _ = run(["check", "eco:hf_bert_classifier"], capsys)
+    assert code == 0 and "equivalent" in out.lower(), out

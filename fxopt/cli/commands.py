@@ -67,9 +67,15 @@ def _budget(text: str | None) -> int | float | str | None:
 
 def _common(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     parser.add_argument("target", nargs="+" if several else None,
-                        help="zoo:NAME, path/to/file.py:ClassOrFactory or package.module:factory")
+                        help="zoo:NAME, eco:NAME (Hugging Face, diffusers, smp, monai, timm "
+                             "models; the test extra), path/to/file.py:ClassOrFactory or "
+                             "package.module:factory")
     parser.add_argument("--input-shape", type=_shape, default=None,
                         help="shape of the example input, e.g. 8,3,224,224 (zoo models have one)")
+    parser.add_argument("--inputs", default=None, metavar="FILE",
+                        help="example inputs saved with torch.save: a tensor, a tuple of "
+                             "forward's positional arguments, or a dict of keyword arguments "
+                             "(input_ids=..., labels=...)")
     parser.add_argument("--dtype", default="float32",
                         choices=["float32", "float16", "bfloat16", "float64", "int64"])
     parser.add_argument("--weights", help="a state_dict saved with torch.save")
@@ -136,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace, target: str | None = None) -> tuple[Any, tuple]:
     from fxopt.cli.targets import load_target
     return load_target(target or args.target, input_shape=args.input_shape, dtype=args.dtype,
-                       weights=args.weights)
+                       weights=args.weights, inputs_file=args.inputs)
 
 
 _BARS: list[Any] = []  # progress bars to end cleanly when an error stops the work
@@ -168,7 +174,9 @@ def _optimize(args: argparse.Namespace) -> int:
     print(gm.fxopt_report)
     print(comparison)
     if args.out:
-        document = {"target": args.target, "input_shapes": [list(t.shape) for t in inputs],
+        document = {"target": args.target,
+                    "input_shapes": [list(t.shape) if hasattr(t, "shape") else repr(t)
+                                     for t in inputs],
                     **gm.fxopt_report.as_dict(), "comparison": comparison.as_dict(),
                     "export": result.as_dict()}
         (Path(args.out) / "report.json").write_text(json.dumps(document, indent=2, default=str))

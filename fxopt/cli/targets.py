@@ -1,7 +1,14 @@
 """Resolve a CLI TARGET to a model and example inputs.
 
-TARGET is ``zoo:NAME`` (a models_zoo entry), ``path/to/file.py:NAME`` or ``package.module:NAME``,
-where NAME is an nn.Module subclass or a factory returning a module (called with no arguments).
+TARGET is ``zoo:NAME`` (a models_zoo entry), ``eco:NAME`` (a ``models_zoo.ecosystem`` model:
+Hugging Face, diffusers, smp, monai, timm; the ``test`` extra), ``path/to/file.py:NAME`` or
+``package.module:NAME``, where NAME is an nn.Module subclass or a factory returning a module
+(called with no arguments).
+
+Example inputs: the zoo's, ``--input-shape``, or ``--inputs FILE`` (``torch.save`` of a tensor, a
+tuple or list of forward's positional arguments, or a dict of its keyword arguments, as Hugging
+Face models are called). Keyword inputs are bound to forward's parameters by name
+(``fxopt.core.inputs.check_inputs``), so every command sees one positional tuple.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from torch import nn
 
 import models_zoo
 from fxopt.core.errors import InputError
+from fxopt.core.inputs import check_inputs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int64": torch.int64}
@@ -52,10 +60,32 @@ def _instantiate(obj: Any, where: str) -> nn.Module:
     return model
 
 
+def load_inputs(path: str, model: nn.Module) -> tuple:
+    """forward's positional arguments from a ``torch.save``d tensor, tuple, list or dict (keyword
+    arguments)."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError) as error:  # pickle errors derive from these
+        raise InputError(f"cannot read --inputs {path}: {type(error).__name__}: {error}",
+                         where="--inputs",
+                         hint="save the inputs with torch.save: a tensor, a tuple of forward's "
+                              "positional arguments, or a dict of its keyword arguments") from None
+    if isinstance(saved, dict):
+        return check_inputs(model, (), saved)
+    return check_inputs(model, saved)
+
+
 def load_target(target: str, *, input_shape: tuple[int, ...] | None = None,
-                dtype: str = "float32", weights: str | None = None) -> tuple[nn.Module, tuple]:
+                dtype: str = "float32", weights: str | None = None,
+                inputs_file: str | None = None) -> tuple[nn.Module, tuple]:
     """Return ``(model, example_inputs)`` for a CLI TARGET."""
-    if target.startswith("zoo:"):
+    if target.startswith("eco:"):
+        from models_zoo import ecosystem
+        entry = ecosystem.get(target[4:])
+        model = entry.build()
+        args, kwargs = entry.inputs(input_shape[0] if input_shape else entry.default_batch)
+        inputs = check_inputs(model, args, kwargs)
+    elif target.startswith("zoo:"):
         entry = models_zoo.get(target[4:])
         model = entry.build()
         inputs = entry.example_inputs(input_shape[0] if input_shape else entry.default_batch)
@@ -76,15 +106,18 @@ def load_target(target: str, *, input_shape: tuple[int, ...] | None = None,
                 hint="name an nn.Module class or a factory function defined in that file",
             )
         model = _instantiate(getattr(module, name), target)
-        if input_shape is None:
+        if input_shape is None and inputs_file is None:
             raise InputError(f"TARGET {target} needs --input-shape",
-                             hint="e.g. --input-shape 8,3,224,224")
-        inputs = (_make_input(input_shape, DTYPES[dtype]),)
+                             hint="e.g. --input-shape 8,3,224,224, or --inputs inputs.pt")
+        inputs = (_make_input(input_shape, DTYPES[dtype]),) if input_shape else ()
+    if inputs_file:
+        inputs = load_inputs(inputs_file, model)
     if weights:
         model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
     if dtype in ("float16", "bfloat16", "float64"):
         model = model.to(DTYPES[dtype])
-        inputs = tuple(t.to(DTYPES[dtype]) if t.is_floating_point() else t for t in inputs)
+        inputs = tuple(t.to(DTYPES[dtype]) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                       else t for t in inputs)
     return model, inputs
 
 
