@@ -2,7 +2,7 @@
 
     python benchmarks/coverage_ecosystem.py [--models a,b] [--library transformers] [--limit N]
                                             [--out FILE] [--json OUT] [--resume]
-                                            [--budget 0.5] [--timeout 300] [--jobs 2]
+                                            [--budget min] [--timeout 300] [--jobs 2]
     python benchmarks/coverage_ecosystem.py --list [--library timm]
 
 The models are small, randomly initialised models from transformers, diffusers,
@@ -14,9 +14,10 @@ subprocess, on one CPU thread (``--jobs N`` runs N at once), which records:
   symbolic tracing kept N submodules opaque, ``-`` when nothing captured it);
 - the outcome of the default pipeline, ``fxopt.optimize(model, args, example_kwargs=kwargs)``
   with ``verify=True``: ``equal``, or the fxopt error it raised;
-- the outcome with ``memory_budget`` (``--budget``, default 0.5 of the activation memory; the API
-  takes bytes, a size or a fraction, and no "min"): ``equal``, ``budget-unreachable`` for a
-  ``BudgetError`` (a legitimate answer), or the error;
+- the outcome with ``memory_budget`` (``--budget``: default "min", the least memory the
+  checkpoint pass reaches; or a fraction of the activation memory such as 0.5, bytes, or a size
+  such as 300MB): ``equal``, ``budget-unreachable`` for a ``BudgetError`` (a legitimate answer
+  to a fraction or a size), or the error;
 - activation memory and peak memory of one training step, measured with
   ``fxopt.measure_train_step`` (``activations_at_peak_bytes``, ``peak_bytes``) on the model
   and on each optimized module, and the seconds each ``optimize`` took.
@@ -65,7 +66,8 @@ def _failure(error: BaseException) -> dict[str, Any]:
     first = str(error).splitlines()[0] if str(error) else ""
     if isinstance(error, fxopt.FxoptError):
         return {"outcome": type(error).__name__, "detail": first[:300],
-                "where": (error.where or "")[:300], "traceback": _tail(error)}
+                "message": str(error)[:2000], "where": (error.where or "")[:300],
+                "traceback": _tail(error)}
     return {"outcome": "crash", "detail": f"{type(error).__name__}: {first}"[:300],
             "raw": True, "traceback": _tail(error)}
 
@@ -105,6 +107,7 @@ def _optimize(model: Any, args: tuple, kwargs: dict, budget: str | None,
     else:
         report = gm.fxopt_report
         result = {"outcome": "equal", "frontend": _frontend(report.trace),
+                  "not_used": dict(report.trace.not_used),
                   "leaves": [f"{leaf.path} ({leaf.module_type})" for leaf in report.trace.leaves],
                   "passes": {r.name: r.modified for r in report.passes},
                   "rounding": len(report.verification.rounding)}
@@ -114,7 +117,8 @@ def _optimize(model: Any, args: tuple, kwargs: dict, budget: str | None,
 
 
 def _budget_value(budget: str) -> int | float | str:
-    """A --budget string as optimize takes it: a fraction or whole bytes as numbers."""
+    """A --budget string as optimize takes it: a fraction or whole bytes as numbers, "min" and
+    sizes with a unit as they are."""
     try:
         value = float(budget)
     except ValueError:
@@ -210,7 +214,7 @@ def _outcome(row: dict[str, Any], key: str) -> str:
         return row.get("outcome", "-")
     outcome = row[key]["outcome"]
     expected = EXPECTED.get(row["model"])
-    if expected and outcome == expected[0] and expected[1] in row[key].get("detail", ""):
+    if expected and outcome == expected[0] and expected[1] in row[key].get("message", ""):
         return f"{outcome} (expected)"
     return outcome
 
@@ -258,6 +262,31 @@ def format_row(row: dict[str, Any]) -> str:
     return line + "".join(f"\n    {note}" for note in notes)
 
 
+def _arrow(before: Any, after: Any) -> str:
+    return f"{_mib(before).strip()} → {_mib(after).strip()}" if after is not None else (
+        _mib(before).strip() or "-")
+
+
+def markdown(rows: list[dict[str, Any]], header: str) -> str:
+    """The results as a Markdown table (for docs/coverage.md), under the run's header."""
+    lines = ["```", header, "```", "",
+             "| library | model | frontend | default pipeline | budget | activations at peak, "
+             "MiB: before → budget | training peak, MiB: before → budget | optimize s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        frontend = row.get("frontend", "-")
+        leaves = row.get("default", {}).get("leaves", [])
+        if leaves:
+            frontend = f"{frontend} ({len(leaves)} leaves)"
+        lines.append(
+            f"| {row.get('library', '?')} | {row['model']} | {frontend} | "
+            f"{_outcome(row, 'default')} | {_outcome(row, 'budget')} | "
+            f"{_arrow(row.get('before_act'), row.get('budget_act'))} | "
+            f"{_arrow(row.get('before_peak'), row.get('budget_peak'))} | "
+            f"{row.get('default', {}).get('seconds', 0):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def summary(rows: list[dict[str, Any]], skipped: list[tuple[str, str]]) -> str:
     built = [r for r in rows if "default" in r]
     captured = sum(r.get("frontend", "-") != "-" for r in built)
@@ -292,10 +321,24 @@ def results_header(args: argparse.Namespace, todo: int, done: int) -> str:
         except metadata.PackageNotFoundError:
             versions.append(f"{library} not installed")
     command = shlex.join([Path(sys.executable).name, *sys.argv])
-    return (f"fxopt ecosystem coverage sweep; {datetime.date.today().isoformat()}; device: "
-            f"{device_name(torch.device('cpu'))} per model, {args.jobs} at once; torch {torch.__version__}; "
-            f"{', '.join(versions)}\nbudget {args.budget}; {todo} to run, {done} already done; "
-            f"command: {command}")
+    return (f"fxopt ecosystem coverage sweep; {datetime.date.today().isoformat()}; fxopt "
+            f"{fxopt_commit()}; device: {device_name(torch.device('cpu'))} per model, "
+            f"{args.jobs} at once; torch {torch.__version__}; {', '.join(versions)}\n"
+            f"budget {args.budget}; {todo} to run, {done} already done; command: {command}")
+
+
+def fxopt_commit() -> str:
+    """The commit of the fxopt checkout this runs from (``+changes`` when fxopt/ differs)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                                capture_output=True, timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "fxopt", "passes"],
+                                 cwd=root, text=True, capture_output=True, timeout=10,
+                                 check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "(commit unknown)"
+    return f"{commit}{'+changes' if changed else ''}"
 
 
 def main() -> None:
@@ -307,10 +350,12 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="run at most N models")
     parser.add_argument("--out", default="", help="write the results table here")
     parser.add_argument("--json", default="", help="write the results here as they arrive")
+    parser.add_argument("--markdown", default="", help="also write the table as Markdown here")
     parser.add_argument("--resume", action="store_true", help="skip models already in --json")
-    parser.add_argument("--budget", default="0.5",
-                        help="memory_budget of the second run: a fraction of the activation "
-                        "memory, bytes or a size such as 300MB (default 0.5)")
+    parser.add_argument("--budget", default="min",
+                        help="memory_budget of the second run: min (the least memory), a "
+                        "fraction of the activation memory, bytes or a size such as 300MB "
+                        "(default min)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per model")
     parser.add_argument("--jobs", type=int, default=1,
                         help="models run at once, each in its own one-thread subprocess "
@@ -373,6 +418,9 @@ def main() -> None:
                 out_json.write_text(json.dumps({"budget": args.budget, "rows": rows}, indent=1))
             write_out(final=False)
     write_out(final=True)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows, header) + "\n" + summary(rows, skipped)
+                                       + "\n")
     print(summary(rows, skipped), flush=True)
 
 

@@ -16,10 +16,9 @@ is computed inside forward. Rows, per model, all measured in this one process:
   modified), then ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
   False})``: one checkpoint per decoder layer, HF's own recipe;
 - ``fxopt``: ``fxopt.optimize(model, (), example_kwargs=kw, memory_budget=B)`` for each budget B
-  (a fraction of the unoptimized activation memory, see ``fxopt.planning.budget``; ``min`` is the
-  least-memory plan, found as ``benchmarks/checkpoint_sweep.py`` finds it: a 1-byte budget's
-  ``BudgetError`` names the smallest peak the pass reaches). A ``BudgetError`` is printed as
-  ``infeasible``: that fraction is below what the pass can reach;
+  (a fraction of the unoptimized activation memory, see ``fxopt.planning.budget``; ``min``,
+  passed as ``memory_budget="min"``, is the least-memory plan the pass finds). A ``BudgetError``
+  is printed as ``infeasible``: that fraction is below what the pass can reach;
 - ``torch_compile_min_cut`` (``fxopt.bench.peers``) at the same fractions, on a wrapper module
   ``forward(input_ids, labels)`` around the same model object (the peers take positional tensors);
 - ``checkpoint_sequential``: one line saying why it does not apply.
@@ -49,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import statistics
 import sys
@@ -225,29 +225,11 @@ def run_model(name: str, args, out: Output, failures: list[str]) -> list[Row]:
 
     # fxopt at each budget, and its least-memory plan
     fractions = args.budgets.split(",")
-    smallest = None
     for fraction in fractions:
         started = time.perf_counter()
         try:
-            if fraction == "min":
-                if smallest is None:
-                    try:
-                        optimize(model, (), example_kwargs=kw, memory_budget=1, verify=False)
-                        raise AssertionError("a 1-byte budget was met")
-                    except BudgetError as error:
-                        smallest = error.smallest_bytes
-                budget = smallest
-                try:
-                    gm = optimize(model, (), example_kwargs=kw, memory_budget=budget)
-                except BudgetError as error:
-                    # recompute times are profiled anew each run, and with them the plan the
-                    # planner settles on: take the smallest peak this run says it reaches
-                    if error.smallest_bytes is None:
-                        raise
-                    budget = error.smallest_bytes
-                    gm = optimize(model, (), example_kwargs=kw, memory_budget=budget)
-            else:
-                gm = optimize(model, (), example_kwargs=kw, memory_budget=float(fraction))
+            gm = optimize(model, (), example_kwargs=kw,
+                          memory_budget="min" if fraction == "min" else float(fraction))
         except FxoptError as error:
             message = str(error).splitlines()[0]
             failures.append(f"{name} fxopt@{fraction}: {type(error).__name__}: {message}")
@@ -262,11 +244,10 @@ def run_model(name: str, args, out: Output, failures: list[str]) -> list[Row]:
                 f"{stats.get('predicted_after', 0) / MiB:.1f} MiB, optimize {seconds:.0f} s")
         gm_step = step_peak_bytes(gm, inputs)
         ratio, spread = time_ratio(model, gm, inputs, args.repeats)
-        if fraction == "min":
-            predicted = stats.get("predicted_before", 0)
-            note = (f"budget {budget / MiB:.1f} MiB = fraction "
-                    f"{budget_fraction(budget, peak=predicted, activations=predicted - baseline - grads):.3f}"
-                    f"; {note}")
+        if fraction == "min" and stats.get("predicted_after"):
+            before, after = stats["predicted_before"], int(stats["predicted_after"])
+            reach = budget_fraction(after, peak=before, activations=before - baseline - grads)
+            note = f"reaches fraction {reach:.3f}; {note}"
         report(Row("fxopt", fraction, baseline + gm_step,
                    measure_train_step(gm, (), example_kwargs=kw).peak_bytes, gm_step - grads,
                    ratio, spread, "yes" if gm.fxopt_report.verification.ok else "NO", note))
@@ -359,7 +340,8 @@ def main() -> int:
     out = Output(args.out)
     out(f"# benchmarks/hf_checkpointing.py -- {datetime.date.today().isoformat()}; device: "
         f"{device_name(torch.device('cpu'))}; torch {torch.__version__}; transformers "
-        f"{transformers.__version__}; torch threads {torch.get_num_threads()}")
+        f"{transformers.__version__}; torch threads {torch.get_num_threads()} of "
+        f"{os.cpu_count()} cores")
     out(f"# command: {shlex.join([sys.executable, *sys.argv])}")
     out("# peak MiB: whole training step (params + buffers + inputs + grads + activations), "
         "allocator level (torch.profiler allocation events, fxopt.bench.runs.step_peak_bytes) "
