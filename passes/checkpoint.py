@@ -135,7 +135,8 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     else:
         predicted, plan = search_plan(
             problem, target=target, unoptimized_peak=peak, predict=predict,
-            max_region_atoms=max_region_atoms, where=f"checkpoint pass, budget={budget!r}")
+            max_region_atoms=max_region_atoms, where=f"checkpoint pass, budget={budget!r}",
+            activations=activations)
     stats["regions"] = apply_plan(gm, forward, plan)
     gm.recompile()
     refresh_meta(gm)

@@ -33,14 +33,16 @@ from fxopt.planning.budget import (
     (".75", ("fraction", 0.75)),
     (3.0, ("bytes", 3)),                 # a whole float above 1: bytes
     ("min", ("min", 0.0)),               # the least-memory plan
+    ("4,899,688", ("bytes", 4899688)),   # as BudgetError prints it
+    ("1,000", ("bytes", 1000)),
     (" MIN ", ("min", 0.0)),
 ])
 def test_parse_budget(budget, expected):
     assert parse_budget(budget) == expected
 
 
-@pytest.mark.parametrize("budget", ["", "lots", "2 GiBs", "2XB", "1e9", "-1", "-0.5", "1,000",
-                                    "2GiB 3MB", "GiB", "0x10", None])
+@pytest.mark.parametrize("budget", ["", "lots", "2 GiBs", "2XB", "1e9", "-1", "-0.5",
+                                    "2GiB 3MB", "GiB", "0x10", "1,00", "12,3456", None])
 def test_unreadable_budgets_are_config_errors_with_a_hint(budget):
     with pytest.raises(ConfigError) as info:
         parse_budget(budget)

@@ -77,7 +77,10 @@ def test_impossible_budget_names_the_smallest_peak(model_and_input):
     assert isinstance(smallest, int) and 1000 < smallest
     message = str(info.value)
     assert "smallest predicted training peak" in message
-    assert f"{smallest:,} bytes" in message and f"at least {smallest:,} bytes" in info.value.hint
+    assert f"{smallest:,} bytes" in message and f"at least {smallest} (bytes)" in info.value.hint
+    assert "memory_budget='min'" in info.value.hint and "MiB" in message
+    assert "fraction" in message
+    assert fxopt.optimize(model, x, memory_budget=f"{smallest:,}", verify=False)  # pastes back
     gm = fxopt.optimize(model, x, memory_budget=smallest)  # the quoted figure is achievable
     assert measure_train_step(gm, x).peak_bytes <= smallest
 

@@ -129,6 +129,17 @@ def test_bench_table_and_json(capsys):
     assert rows[0]["memory_ratio"] == 1.0 and rows[1]["train_peak_bytes"] > 0
 
 
+def test_bench_reads_every_budget_before_any_work(capsys, monkeypatch):
+    import fxopt.bench.runs as runs
+
+    def never(*args, **kwargs):
+        raise AssertionError("bench started before every budget was read")
+
+    monkeypatch.setattr(runs, "bench", never)
+    code, _, err = run(["bench", "zoo:mlp", "--budgets", "1.0,0.5,lots"], capsys)
+    assert code == 2 and "cannot read memory budget 'lots'" in err
+
+
 def test_capture_option_picks_the_frontend(capsys):
     code, out, err = run(["optimize", "zoo:transformer_block", "--capture", "export",
                           "--repeats", "1"], capsys)

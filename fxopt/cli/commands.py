@@ -250,8 +250,13 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"fxopt bench cannot use --capture {args.capture} yet: the benchmark "
                           "optimizes with the default, --capture auto",
                           where="fxopt bench --capture", hint="leave --capture out")
+    from fxopt.planning.budget import parse_budget
+
     budgets = [_budget(b) for b in args.budgets.split(",")] if args.budgets else [
         _budget(args.memory_budget)]
+    for budget in budgets:  # every one readable before any model is loaded or timed
+        if budget is not None:
+            parse_budget(budget)
     peers = DEFAULT_PEERS if args.peers is None else tuple(
         p for p in args.peers.split(",") if p and p != "none")
     jobs = [(target, budget) for target in args.target for budget in budgets]

@@ -13,6 +13,7 @@ from fxopt.core.tensors import tensor_bytes
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_GROUPED = re.compile(r"^\s*[0-9]{1,3}(,[0-9]{3})+(?![0-9,])")
 
 
 MIN = "min"
@@ -39,7 +40,8 @@ def parse_budget(budget: int | float | str) -> tuple[str, float]:
     elif isinstance(budget, float):
         value, unit = budget, ""
     else:
-        match = _SIZE.match(str(budget))
+        # bytes as fxopt's own messages print them ("4,899,688") paste back
+        match = _SIZE.match(_GROUPED.sub(lambda m: m.group(0).replace(",", ""), str(budget)))
         if not match or match.group(2).lower() not in _UNITS:
             raise ConfigError(
                 f"cannot read memory budget {budget!r}",

@@ -35,7 +35,7 @@ Predicted = tuple[int, CheckpointPlan]
 
 def search_plan(problem: CheckpointProblem, *, target: int, unoptimized_peak: int,
                 predict: Predict, max_region_atoms: int = 16, max_rounds: int = 6,
-                where: str = "checkpoint pass") -> Predicted:
+                where: str = "checkpoint pass", activations: int | None = None) -> Predicted:
     """(predicted peak, plan) of the cheapest plan predicted to fit ``target`` bytes."""
     overhead = unoptimized_peak - problem.kept_without_checkpointing()
     solver_budget = target - overhead
@@ -55,13 +55,23 @@ def search_plan(problem: CheckpointProblem, *, target: int, unoptimized_peak: in
         return _cheapest_fitting(problem, predict, target, smallest, target - overhead,
                                  max_region_atoms)
     smallest_peak = smallest[0] if smallest else unoptimized_peak
+    fraction = ""
+    if activations:
+        fraction = (f", a fraction {1 - (unoptimized_peak - smallest_peak) / activations:.3f} "
+                    "of the activation memory")
     raise BudgetError(
-        f"memory budget {target:,} bytes cannot be met: the smallest predicted training "
-        f"peak this pass reaches is {smallest_peak:,} bytes (unoptimized: {unoptimized_peak:,})",
+        f"memory budget {_mib(target)} ({target:,} bytes) cannot be met: the smallest "
+        f"predicted training peak this pass reaches is {_mib(smallest_peak)} "
+        f"({smallest_peak:,} bytes{fraction}; unoptimized: {_mib(unoptimized_peak)})",
         where=where,
-        hint=f"raise the budget to at least {smallest_peak:,} bytes, or lower the batch size",
+        hint=f"pass memory_budget='min' for that least-memory plan, or a budget of at least "
+             f"{smallest_peak} (bytes), or lower the batch size",
         smallest_bytes=smallest_peak,
     )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def least_memory_plan(problem: CheckpointProblem, predict: Predict,
