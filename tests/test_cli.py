@@ -152,8 +152,12 @@ def test_capture_option_picks_the_frontend(capsys):
     code, out, err = run(["report", "zoo:mlp", "--capture", "export", "--no-plot", "--json"],
                          capsys)
     assert code == 0 and json.loads(out)["breakdown"]["train"]["peak_bytes"] > 0, err
-    code, _, err = run(["bench", "zoo:mlp", "--capture", "export"], capsys)
-    assert code == 2 and "--capture export" in err and "Traceback" not in err
+    code, out, err = run(["bench", "zoo:mlp", "--capture", "export", "--peers", "none",
+                          "--repeats", "1", "--json"], capsys)
+    assert code == 0, err
+    fxopt_row = json.loads(out)["results"][0]["rows"][1]
+    assert fxopt_row["name"] == "fxopt" and fxopt_row["train_peak_bytes"] > 0
+    assert "capture=export" in fxopt_row["note"]
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["optimize", "zoo:mlp", "--capture", "bogus"])
     assert exit_info.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err

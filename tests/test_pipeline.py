@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from torch import fx, nn
+from torch import nn
 
 from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError, ConfigError, InputError, PassError

@@ -1,6 +1,5 @@
 """fxopt.planning.solver: optimal under its model (checked by brute force), union counting, speed."""
 
-import itertools
 import random
 import time
 

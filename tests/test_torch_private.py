@@ -12,7 +12,6 @@ import inspect
 import logging
 from pathlib import Path
 
-import pytest
 import torch
 from torch import fx, nn
 

@@ -95,8 +95,9 @@ def _peer_fraction(model: nn.Module, inputs: tuple, memory_budget: Any) -> float
 
 def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_budget: Any = None,
           peers: tuple[str, ...] = DEFAULT_PEERS, repeats: int = 5,
-          progress: Progress | None = None) -> list[BenchRow]:
-    """Measure original, fxopt and ``peers`` side by side; the first row is the original."""
+          progress: Progress | None = None, capture: str = "auto") -> list[BenchRow]:
+    """Measure original, fxopt and ``peers`` side by side; the first row is the original.
+    ``capture`` is ``fxopt.optimize``'s capture frontend for the fxopt row."""
     inputs = as_args(example_inputs)
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -115,8 +116,10 @@ def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_b
     tick("original")
     fraction = _peer_fraction(model, inputs, memory_budget)
     builders: list[tuple[str, Callable[[], tuple[nn.Module | None, str]]]] = [
-        ("fxopt", lambda: (optimize(model, inputs, passes=passes, memory_budget=memory_budget),
-                           f"passes={passes or 'default'}, memory_budget={memory_budget}")),
+        ("fxopt", lambda: (optimize(model, inputs, passes=passes, memory_budget=memory_budget,
+                                    capture=capture),
+                           f"passes={passes or 'default'}, memory_budget={memory_budget}, "
+                           f"capture={capture}")),
         *((name, lambda name=name: build_peer(name, model, inputs, fraction)) for name in peers),
     ]
     original_times = []

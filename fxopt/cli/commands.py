@@ -244,12 +244,6 @@ def _check(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from fxopt.bench.runs import DEFAULT_PEERS, bench, format_table
-    from fxopt.core.errors import ConfigError
-
-    if args.capture != "auto":  # fxopt.bench.runs.bench has no capture option to pass it to
-        raise ConfigError(f"fxopt bench cannot use --capture {args.capture} yet: the benchmark "
-                          "optimizes with the default, --capture auto",
-                          where="fxopt bench --capture", hint="leave --capture out")
     from fxopt.planning.budget import parse_budget
 
     budgets = [_budget(b) for b in args.budgets.split(",")] if args.budgets else [
@@ -266,7 +260,7 @@ def _bench(args: argparse.Namespace) -> int:
     for index, (target, budget) in enumerate(jobs):
         model, inputs = _load(args, target)
         rows = bench(model, inputs, passes=args.passes, memory_budget=budget, peers=peers,
-                     repeats=args.repeats,
+                     repeats=args.repeats, capture=args.capture,
                      progress=lambda done, total, label, base=index * per_job: progress(
                          base + done, len(jobs) * per_job, f"{target} {label}"))
         results.append({"target": target, "memory_budget": budget,
