@@ -6,6 +6,7 @@ Each pass is a graph edit only: it asks ``fxopt.planning`` for its decision and 
 from __future__ import annotations
 
 from fxopt.rewrite.registry import PassRegistry, PassSpec
+from passes.causal_attention import causal_attention
 from passes.checkpoint import checkpoint
 from passes.inplace_activations import inplace_activations
 from passes.pad_channels import pad_channels
@@ -18,11 +19,15 @@ REGISTRY = PassRegistry([
     PassSpec("inplace_activations", inplace_activations,
              "make activations in-place where autograd does not need the input",
              aliases=("inplace",)),
+    PassSpec("causal_attention", causal_attention,
+             "attention given a built causal mask runs as is_causal=True, without the mask "
+             "(torch.export-captured transformers)", aliases=("causal",)),
     PassSpec("checkpoint", checkpoint,
              "recompute the cheapest regions in backward to fit a memory budget",
              default=False, aliases=("ckpt",)),
     PassSpec("reorder", reorder, "memory-aware topological order (lowest predicted peak)"),
 ])
 
-__all__ = ["REGISTRY", "PassRegistry", "PassSpec", "checkpoint", "inplace_activations",
+__all__ = ["REGISTRY", "PassRegistry", "PassSpec", "causal_attention", "checkpoint",
+           "inplace_activations",
            "pad_channels", "reorder"]

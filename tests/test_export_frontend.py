@@ -365,7 +365,7 @@ def test_failures_are_trace_errors_with_a_place_and_a_hint():
         capture_with_export(DataDependent(), (x,))
     assert "test_export_frontend.py" in error.value.where and "if x.sum() > 0" in \
         error.value.where
-    assert "fxopt.trace" in error.value.hint
+    assert "capture='fx'" in error.value.hint and "opaque leaf" in error.value.hint
 
     with pytest.raises(TraceError, match="'calls'"):
         capture_with_export(Counter(), (x,))

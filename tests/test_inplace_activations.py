@@ -348,7 +348,8 @@ def test_aten_activations_become_inplace_overloads():
         AtenActs(), (torch.randn(3, 4),),
         golden_before="""
             x = input
-            fxopt_input_guard = fxopt_input_guard(x)
+            _fxopt_input_guard = @_fxopt_input_guard()
+            guard_inputs = guard_inputs(_fxopt_input_guard, x)
             a_weight = @a.weight()
             a_bias = @a.bias()
             b_weight = @b.weight()
@@ -369,7 +370,8 @@ def test_aten_activations_become_inplace_overloads():
         """,
         golden_after="""
             x = input
-            fxopt_input_guard = fxopt_input_guard(x)
+            _fxopt_input_guard = @_fxopt_input_guard()
+            guard_inputs = guard_inputs(_fxopt_input_guard, x)
             a_weight = @a.weight()
             a_bias = @a.bias()
             b_weight = @b.weight()

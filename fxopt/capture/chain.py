@@ -36,6 +36,7 @@ from torch import fx, nn
 
 from fxopt.capture.export_frontend import capture_with_export
 from fxopt.capture.trace import TraceInfo, trace
+from fxopt.capture.trace_checks import UserCheckpoint
 from fxopt.core.errors import ConfigError, FxoptError, TraceError
 from fxopt.core.inputs import check_inputs
 
@@ -110,8 +111,9 @@ def _auto(model: nn.Module, args: tuple, leaf_modules: tuple[str, ...]
         return traced, (("export", why_not_export),)
     # Both failed at the root: torch.export's reason comes first, as it ran forward as Python and
     # names the line that stopped it (symbolic tracing may fail earlier, on a decorated forward's
-    # signature, which no change to the model's code would fix).
-    if export_error is not None:
+    # signature, which no change to the model's code would fix), unless tracing stopped at a
+    # torch.utils.checkpoint call, whose own hint (move it into a submodule) is the fix.
+    if export_error is not None and not isinstance(fx_error.__cause__, UserCheckpoint):
         raise TraceError(f"{export_error.what}\n(symbolic tracing cannot capture it either: "
                          f"{_first_line(fx_error)})", where=export_error.where,
                          hint=export_error.hint) from export_error

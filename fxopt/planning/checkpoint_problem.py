@@ -93,14 +93,23 @@ def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
     return True
 
 
-def repeated_block(node: fx.Node) -> str | None:
-    """The outermost numbered module ``node`` runs in (``model.layers.3``, ``blocks.0``): one of
-    a ModuleList's or Sequential's items, read off the module stack both frontends record."""
+def repeated_block(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """The outermost numbered module with submodules of its own that ``node`` runs in
+    (``model.layers.3``, ``layer1.0``): a ModuleList's or Sequential's item that is a block, not
+    a single layer (``features.3``, a conv, gives no block: its conv starts an atom anyway).
+    Read off the module stack both frontends record."""
     for path, _kind in (node.meta.get("nn_module_stack") or {}).values():
         parts = str(path).split(".")
-        numbered = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-        if numbered is not None:
-            return ".".join(parts[:numbered + 1])
+        for end, part in enumerate(parts):
+            if not part.isdigit():
+                continue
+            prefix = ".".join(parts[:end + 1])
+            try:
+                module = gm.get_submodule(prefix)
+            except AttributeError:
+                return None
+            if next(module.children(), None) is not None:
+                return prefix
     return None
 
 
@@ -124,7 +133,7 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True
         return frozenset(rep[n].name for n in nodes
                          if rep.get(n) is not None and rep[n].name in value_bytes)
 
-    blocks = [repeated_block(node) for node in forward]
+    blocks = [repeated_block(gm, node) for node in forward]
     grads = _first_use_grad_bytes(gm, forward)
     grad_live = _grad_live_bytes(forward, rep, value_bytes)
     infos = []
