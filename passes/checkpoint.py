@@ -4,7 +4,7 @@
 predicted peak of a training step stays at or under ``budget`` with the least recompute time,
 and rewrites each region into a call of a ``CheckpointedRegion`` (non-reentrant
 ``torch.utils.checkpoint`` with RNG replay, selective recomputation that keeps conv/matmul
-outputs where the plan says so, and BatchNorm buffers restored after recomputation).
+outputs where the plan says so, and BatchNorm buffers shielded from recomputation).
 
 Budget: bytes (int), a size string ("2GiB", "300MB"), or a fraction 0 < f <= 1 of the
 unoptimized *activation memory* (the predicted peak minus parameters, buffers, inputs and

@@ -17,7 +17,7 @@ When it is safe: always -- the padded model computes the same function in exact 
   running statistics padded for the call (mean 0, variance 1, so padded channels stay 0 in
   eval too); the updated real statistics are copied back into the module's buffers and
   ``num_batches_tracked`` is incremented exactly when the module would (its ``training`` flag is
-  read at run time). Checkpointed regions restore these buffers like any other.
+  read at run time). Checkpointed regions recompute on copies of these buffers like any other.
 - The value handed to an unpadded consumer is a view (``narrow``) of the real channels, made
   contiguous where the consumer may rely on it (the model's outputs, ``view``, user modules).
 

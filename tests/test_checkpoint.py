@@ -1,6 +1,7 @@
 """passes.checkpoint: budget adherence (measured), exact BN buffers, RNG replay, errors."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -61,12 +62,40 @@ def test_batchnorm_statistics_updated_once_and_planted_double_update_is_caught(
     checkpoint(gm, budget=0.4)
     gm.recompile()
     assert verify(model, gm, x).ok
-    # Without the buffer restore, recomputation updates running stats a second time:
-    monkeypatch.setattr(fxopt.runtime.regions, "buffers_restored", lambda body: contextlib.nullcontext())
+    # Without the buffer shield, recomputation updates running stats a second time:
+    monkeypatch.setattr(fxopt.runtime.regions, "buffers_shielded", lambda body: contextlib.nullcontext())
     report = verify(model, gm, x)
     assert not report.ok
     assert {m.kind for m in report.mismatches} == {"buffer"}
     assert any(m.name.endswith("num_batches_tracked") for m in report.mismatches)
+
+
+def test_module_called_inside_and_outside_a_region_keeps_what_backward_saved():
+    """A shared BatchNorm: its outside call saves ``running_mean`` for backward; recomputing the
+    region (which calls it again) must not write that buffer, or backward raises 'modified by an
+    inplace operation' (found by fuzz_long with pad_channels on 2026-11-23)."""
+    torch.manual_seed(0)
+    shared = nn.BatchNorm1d(4)
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = shared
+
+        def forward(self, x):
+            return self.bn(x).relu()
+
+    region = fxopt.runtime.regions.CheckpointedRegion(torch.fx.symbolic_trace(Body()),
+                                                      selective=False)
+    reference = copy.deepcopy(shared)
+    x = torch.randn(8, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    region(shared(x)).square().sum().backward()
+    reference(reference(x_ref)).relu().square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(shared.weight.grad, reference.weight.grad)
+    for name, buffer in shared.named_buffers():
+        torch.testing.assert_close(buffer, reference.get_buffer(name), msg=name)
 
 
 def test_impossible_budget_names_the_smallest_peak(model_and_input):

@@ -22,7 +22,8 @@ the original shape back. Dropout is such a consumer on purpose: its random mask 
 tensor's shape, so a padded dropout would drop different elements than the original model.
 
 Not handled: ops inside opaque leaves, modules with hooks, subclasses of the listed modules,
-convs with a padding_mode other than zeros, grouped ConvTranspose, and 1-D matmul operands.
+convs with a padding_mode other than zeros, grouped ConvTranspose, 1-D matmul operands, and a
+BatchNorm module the graph calls more than once (its padding stops there: the input is sliced).
 """
 
 from __future__ import annotations
@@ -427,6 +428,15 @@ def _binary(node: fx.Node, layout: dict[fx.Node, Padded]) -> Padded | None:
     return None
 
 
+def _used_elsewhere(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether another node reaches ``node``'s module: the padded call writes its statistics back
+    with ``copy_``, which would invalidate a running_mean another call saved for backward."""
+    prefix = f"{node.target}."
+    return any(other is not node and other.op in ("call_module", "get_attr") and
+               (other.target == node.target or other.target.startswith(prefix))
+               for other in gm.graph.nodes)
+
+
 def _norm_plan(gm: fx.GraphModule, node: fx.Node, layout: dict[fx.Node, Padded]
                ) -> NormPlan | None:
     if node.op != "call_module" or node.kwargs or len(node.args) != 1:
@@ -435,7 +445,8 @@ def _norm_plan(gm: fx.GraphModule, node: fx.Node, layout: dict[fx.Node, Padded]
     x = node.args[0]
     state = layout.get(x) if isinstance(x, fx.Node) else None
     if type(module) not in _BATCH_NORMS or has_hooks(module) or state is None or \
-            module.momentum is None or state.dim + x.meta["val"].dim() != 1:
+            module.momentum is None or state.dim + x.meta["val"].dim() != 1 or \
+            _used_elsewhere(gm, node):
         return None
     stats = (module.running_mean, module.running_var, module.num_batches_tracked)
     if module.track_running_stats and all(s is not None for s in stats):

@@ -1,7 +1,7 @@
 """What an optimized module calls while it runs.
 
 - ``regions``: ``CheckpointedRegion`` and its graph call site ``call_region`` (activation
-  checkpointing with RNG replay, selective recomputation, BatchNorm buffers restored), and
+  checkpointing with RNG replay, selective recomputation, BatchNorm buffers shielded from recomputation), and
   ``HEAVY_ATEN_OPS``: the ops selective recomputation keeps, which the planner's cost model
   calls heavy too (one definition, so plan and run time agree).
 - ``eval_forward``: the eval-mode graph a module with a graph per training mode dispatches to.

@@ -9,9 +9,13 @@ region's inputs stay alive until the call returns, so an inference peak can grow
 (``tests/test_checkpoint.py`` records this as an expected failure).
 
 Recomputation would run BatchNorm's running-statistics update a second time (PyTorch's own
-checkpoint does). Here every buffer the region's modules own is snapshotted when recomputation
-starts and restored when it ends, so after one training step ``running_mean``, ``running_var``
-and ``num_batches_tracked`` equal the unoptimized model's exactly.
+checkpoint does). Here recomputation runs on copies of the buffers the region's modules own,
+swapped in when it starts and swapped out when it ends, so after one training step
+``running_mean``, ``running_var`` and ``num_batches_tracked`` equal the unoptimized model's
+exactly. The real buffers are never written during backward: a module called both inside and
+outside a region (a shared BatchNorm) keeps the buffer its outside call saved for backward at the
+version autograd expects. Buffers that require grad are left in place (recomputation must reach
+them) and are not shielded.
 
 ``selective=True`` keeps the outputs of convolutions and matmuls (selective activation
 checkpointing) so only the cheap, memory-bound ops are recomputed. Under autocast a selective
@@ -74,21 +78,23 @@ def _autocast_on() -> bool:
 
 
 @contextlib.contextmanager
-def buffers_restored(body: torch.nn.Module) -> Iterator[None]:
-    """Whatever recomputation does to the region's buffers is undone when it ends."""
-    buffers = list(body.buffers())
-    saved = [b.detach().clone() for b in buffers]
+def buffers_shielded(body: torch.nn.Module) -> Iterator[None]:
+    """Recomputation inside this context writes into copies of the region's buffers."""
+    owners = [(module, name, buffer) for module in body.modules()
+              for name, buffer in module._buffers.items()
+              if buffer is not None and not buffer.requires_grad]
+    for module, name, buffer in owners:
+        module._buffers[name] = buffer.detach().clone()
     try:
         yield
     finally:
-        with torch.no_grad():
-            for buffer, value in zip(buffers, saved):
-                buffer.copy_(value)
+        for module, name, buffer in owners:
+            module._buffers[name] = buffer
 
 
 @contextlib.contextmanager
 def _recomputing(body: torch.nn.Module, inner: contextlib.AbstractContextManager) -> Iterator[None]:
-    with buffers_restored(body), inner:  # snapshot outside SAC's dispatch mode
+    with buffers_shielded(body), inner:  # copies made outside SAC's dispatch mode
         yield
 
 
