@@ -7,8 +7,9 @@ and rewrites each region into a call of a ``CheckpointedRegion`` (non-reentrant
 outputs where the plan says so, and BatchNorm buffers shielded from recomputation).
 
 Budget: bytes (int), a size string ("2GiB", "300MB"), or a fraction 0 < f <= 1 of the
-unoptimized *activation memory* (the predicted peak minus parameters, buffers, inputs and
-parameter gradients): budget = peak - (1 - f) * activations. ``"min"``: the least-memory plan
+unoptimized *activation memory* (the live bytes at the predicted training peak minus parameters,
+buffers, inputs and the parameter gradients alive at that moment; ``TrainPeak.activation_bytes``):
+budget = peak - (1 - f) * activations. ``"min"``: the least-memory plan
 the solver finds, whatever it costs in recompute time (no ``BudgetError``; the graph is left as
 it is when no plan predicts less than the original).
 
@@ -36,16 +37,11 @@ from typing import Any
 
 from torch import fx
 
-from fxopt.analysis import estimate_peak
+from fxopt.analysis.estimate import estimate_train_peak
 from fxopt.capture.meta import placeholder_values, refresh_meta
 from fxopt.capture.trace import graph_module_like
 from fxopt.core.torch_private import copy_codegen
-from fxopt.planning.budget import (
-    activation_bytes,
-    budget_bytes,
-    is_min,
-    trainable_grad_bytes,
-)
+from fxopt.planning.budget import budget_bytes, is_min
 from fxopt.planning.checkpoint_problem import build_problem
 from fxopt.planning.checkpoint_search import least_memory_plan, search_plan
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
@@ -106,7 +102,7 @@ def _predict(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan) -
     candidate = graph_module_like(gm, graph)
     apply_plan(candidate, [mapping[n] for n in forward], plan)
     candidate.recompile()
-    return estimate_peak(candidate, placeholder_values(gm)).train_bytes
+    return estimate_train_peak(candidate, placeholder_values(gm)).bytes
 
 
 def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
@@ -115,11 +111,11 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     if _already_checkpointed(gm):
         return PassResult(gm, False, {"reason": "graph already has checkpointed regions"})
     started = time.perf_counter()
-    estimate = estimate_peak(gm, placeholder_values(gm))
-    peak = estimate.train_bytes
-    activations = activation_bytes(peak, estimate.baseline_bytes, trainable_grad_bytes(gm))
+    estimate = estimate_train_peak(gm, placeholder_values(gm))
+    peak, activations = estimate.bytes, estimate.activation_bytes
     target = budget_bytes(budget, peak=peak, activations=activations)
-    stats: dict[str, Any] = {"budget_bytes": target, "predicted_before": peak}
+    stats: dict[str, Any] = {"budget_bytes": target, "predicted_before": peak,
+                             "activation_bytes": activations}
     if peak <= target:
         stats["predicted_after"] = peak
         return PassResult(gm, False, stats)

@@ -11,6 +11,7 @@ from torch import nn
 import fxopt
 import fxopt.analysis.costmodel
 import fxopt.runtime.regions
+from fxopt.analysis.estimate import estimate_train_peak
 from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError
 from fxopt.core.state import preserved_state
@@ -45,6 +46,23 @@ def test_measured_peak_within_budget_and_equivalent(model_and_input, fraction):
     assert after.peak_bytes <= stats["budget_bytes"] < before.peak_bytes
     assert stats["predicted_after"] == after.peak_bytes  # the fake-tensor prediction is exact
     assert gm.fxopt_report.verification.ok  # outputs, grads, BN buffers, dropout masks
+
+
+def test_budget_fraction_is_of_the_activations_alive_at_the_peak(model_and_input):
+    """Activation memory = live bytes at the training peak minus parameters, buffers, inputs and
+    the gradients alive at that moment; a fraction f keeps f of it (issue 14, item 1)."""
+    model, x = model_and_input
+    before = measure_train_step(trace(model, x), x)
+    predicted = estimate_train_peak(trace(model, x), x)
+    # the prediction splits the peak as the measurement does (exact on CPU)
+    assert (predicted.bytes, predicted.grad_bytes, predicted.activation_bytes) == (
+        before.peak_bytes, before.grads_at_peak_bytes, before.activations_at_peak_bytes)
+    gm = fxopt.optimize(model, x, memory_budget=0.5)
+    stats = next(p.stats for p in gm.fxopt_report.passes if p.name == "checkpoint")
+    assert stats["activation_bytes"] == before.activations_at_peak_bytes
+    after = measure_train_step(gm, x)
+    moved_grads = abs(after.grads_at_peak_bytes - before.grads_at_peak_bytes)
+    assert after.activations_at_peak_bytes <= 0.5 * before.activations_at_peak_bytes + moved_grads
 
 
 def test_byte_budget_string(model_and_input):

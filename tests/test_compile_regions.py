@@ -26,10 +26,11 @@ def conv_bn_relu_dropout(width: int = 8) -> nn.Module:
 
 @pytest.fixture(scope="module")
 def optimized():
-    """Budget 0.6 with roofline costs: conv1..dropout recomputed fully, conv2..dropout selectively."""
+    """Budget 0.65 of the activations at the peak, roofline costs: conv1..dropout recomputed
+    fully, conv2..dropout selectively."""
     torch.manual_seed(0)
     model, x = conv_bn_relu_dropout(), torch.randn(2, 3, 16, 16)
-    gm = fxopt.optimize(model, x, passes=[("checkpoint", {"budget": 0.6, "profile": False})])
+    gm = fxopt.optimize(model, x, passes=[("checkpoint", {"budget": 0.65, "profile": False})])
     regions = [v for _, v in sorted(vars(gm).items()) if isinstance(v, CheckpointedRegion)]
     assert [region.selective for region in regions] == [False, True]
     return model, gm, x

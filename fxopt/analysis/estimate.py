@@ -48,6 +48,22 @@ from fxopt.core.torch_private import FakeTensorMode
 
 
 @dataclass(frozen=True)
+class TrainPeak:
+    """A training step's predicted peak in bytes of live tensor storage, and what it holds."""
+
+    bytes: int
+    baseline_bytes: int          # parameters + buffers + inputs, alive throughout
+    grad_bytes: int              # parameter gradients alive at the peak
+    op: str                      # the op whose result made the peak
+
+    @property
+    def activation_bytes(self) -> int:
+        """What checkpointing can act on: the peak minus the baseline and the parameter
+        gradients alive at that moment (saved activations, their gradients, temporaries)."""
+        return max(self.bytes - self.baseline_bytes - self.grad_bytes, 0)
+
+
+@dataclass(frozen=True)
 class PeakEstimate:
     """Predicted peaks in bytes of live tensor storage, and where they happen."""
 
@@ -56,11 +72,18 @@ class PeakEstimate:
     baseline_bytes: int          # parameters + buffers + inputs, alive throughout
     train_peak_op: str           # the op whose result made the training peak
     inference_peak_op: str
+    train_grad_bytes: int = 0    # parameter gradients alive at the training peak
+
+    @property
+    def activation_bytes(self) -> int:
+        """The training peak minus the baseline and the gradients alive at it (``TrainPeak``)."""
+        return max(self.train_bytes - self.baseline_bytes - self.train_grad_bytes, 0)
 
 
 def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], None]
-             ) -> tuple[int, int, str]:
-    """(peak bytes, baseline bytes, peak op) of ``step`` run on fakes under the tracker."""
+             ) -> TrainPeak:
+    """The peak of ``step`` run on fakes under the tracker (``grad_bytes``: the parameter
+    gradients the step left that were alive at the peak; 0 for a step without backward)."""
     with opaque_leaves_stood_in(module), on_fake_tensors(module, example_inputs) as run:
         for t in run.state.values():
             t.grad = None
@@ -76,7 +99,9 @@ def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, 
                 hint="trace the model with fxopt.trace() first: parts that read tensor values "
                      "become leaf modules, which the estimate stands in for") from error
         baseline = storage_bytes((list(run.state.values()), run.inputs))
-        return baseline + tracker.peak_bytes, baseline, tracker.peak_op
+        grads = tracker.bytes_at_peak([t.grad for t in run.state.values()
+                                       if t.is_leaf and t.grad is not None])
+        return TrainPeak(baseline + tracker.peak_bytes, baseline, grads, tracker.peak_op)
 
 
 def _inference(module: nn.Module, inputs: tuple) -> None:
@@ -89,11 +114,17 @@ def _train(module: nn.Module, inputs: tuple) -> None:
         training_step(module, inputs)
 
 
+def estimate_train_peak(module: nn.Module, example_inputs: Any) -> TrainPeak:
+    """Predicted training-step peak of ``module`` on ``example_inputs`` (no inference run)."""
+    return _tracked(module, example_inputs, _train)
+
+
 def estimate_peak(module: nn.Module, example_inputs: Any) -> PeakEstimate:
     """Predicted training-step and inference peaks of ``module`` on ``example_inputs``."""
-    train, baseline, train_op = _tracked(module, example_inputs, _train)
-    inference, _, inference_op = _tracked(module, example_inputs, _inference)
-    return PeakEstimate(train, inference, baseline, train_op, inference_op)
+    train = estimate_train_peak(module, example_inputs)
+    inference = _tracked(module, example_inputs, _inference)
+    return PeakEstimate(train.bytes, inference.bytes, train.baseline_bytes, train.op,
+                        inference.op, train.grad_bytes)
 
 
 def resized_inputs(example_inputs: Any, batch: int, batch_dim: int = 0) -> tuple:
@@ -126,7 +157,7 @@ def max_batch_size(model: nn.Module, example_inputs: Any, budget_bytes: int, *,
     def peak(batch: int) -> int:
         if batch not in peaks:
             inputs = resized_inputs(example_inputs, batch, batch_dim)
-            peaks[batch] = estimate_peak(model, inputs).train_bytes
+            peaks[batch] = estimate_train_peak(model, inputs).bytes
         return peaks[batch]
 
     if peak(1) > budget_bytes:

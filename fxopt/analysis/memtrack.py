@@ -60,7 +60,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.record_timeline = record_timeline
         self.timeline: list[tuple[str, int]] = []
         self._live: dict[int, _Live] = {}
-        self._at_peak: frozenset[int] = frozenset()
+        self._at_peak: dict[int, StorageWeakRef] = {}
         self._known: set[int] = set()
 
     def ignore(self, tensors: Any) -> None:
@@ -93,7 +93,7 @@ class LiveStorageTracker(TorchDispatchMode):
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self.peak_op = op
-            self._at_peak = frozenset(self._live)
+            self._at_peak = {key: live.ref for key, live in self._live.items()}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.record_timeline:
@@ -111,11 +111,15 @@ class LiveStorageTracker(TorchDispatchMode):
         return out
 
     def bytes_at_peak(self, tensors: Any) -> int:
-        """Of the storages live at the peak, the bytes of those belonging to ``tensors``."""
+        """Of the storages live at the peak, the bytes of those belonging to ``tensors``.
+
+        Keys are addresses: a storage at the address of one freed since the peak (common with
+        fake tensors) is another storage, so only peak storages still alive are matched."""
         seen, total = set(), 0
         for t in tensors_in(tensors):
             key = storage_key(t)
-            if key in self._at_peak and key not in seen:
+            at_peak = self._at_peak.get(key)
+            if at_peak is not None and not at_peak.expired() and key not in seen:
                 seen.add(key)
                 total += self._live[key].nbytes if key in self._live else allocated_bytes(t)
         return total

@@ -67,8 +67,9 @@ def trainable_grad_bytes(module: nn.Module) -> int:
 
 
 def activation_bytes(peak: int, baseline: int, grad_bytes: int) -> int:
-    """What a budget fraction is a fraction of: the training peak minus what no rewrite can
-    remove (parameters, buffers and inputs -- the baseline -- and parameter gradients)."""
+    """What a budget fraction is a fraction of: the training peak minus what checkpointing
+    cannot remove (parameters, buffers and inputs -- the baseline -- and ``grad_bytes``, the
+    parameter gradients alive at the peak; ``fxopt.analysis.estimate.TrainPeak`` gives both)."""
     return max(peak - baseline - grad_bytes, 0)
 
 

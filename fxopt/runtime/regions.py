@@ -81,15 +81,15 @@ def _autocast_on() -> bool:
 def buffers_shielded(body: torch.nn.Module) -> Iterator[None]:
     """Recomputation inside this context writes into copies of the region's buffers."""
     owners = [(module, name, buffer) for module in body.modules()
-              for name, buffer in module._buffers.items()
-              if buffer is not None and not buffer.requires_grad]
-    for module, name, buffer in owners:
-        module._buffers[name] = buffer.detach().clone()
+              for name, buffer in module.named_buffers(recurse=False)
+              if not buffer.requires_grad]
+    for module, name, buffer in owners:  # assigning a tensor to a buffer's name replaces it
+        setattr(module, name, buffer.detach().clone())
     try:
         yield
     finally:
         for module, name, buffer in owners:
-            module._buffers[name] = buffer
+            setattr(module, name, buffer)
 
 
 @contextlib.contextmanager
