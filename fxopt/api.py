@@ -21,7 +21,7 @@ from fxopt.capture.train_eval import refuse_pickling
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.state import preserved_state
 from fxopt.measure.peaks import measure
-from fxopt.measure.report import Report
+from fxopt.measure.report import Report, predicted_peaks
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
 from fxopt.rewrite.registry import PassRegistry
 from fxopt.verify.equivalence import verify as run_verify
@@ -40,6 +40,7 @@ def optimize(
     registry: PassRegistry | None = None,
     capture: str = "auto",
     example_kwargs: dict[str, Any] | None = None,
+    predict_memory: bool = True,
 ) -> fx.GraphModule:
     """Return an optimized, verified GraphModule computing the same function as ``model``.
 
@@ -49,6 +50,8 @@ def optimize(
     checkpointing reaches, at whatever recompute time); it enables checkpointing.
     ``verify``: run the equivalence check and raise ``EquivalenceError`` on any mismatch.
     ``measure_memory``: measure peak memory before and after (real training steps).
+    ``predict_memory``: predict the training and inference peaks before and after on fake
+    tensors (no compute; four fake runs) so the report says whether memory went down.
     ``registry``: the passes to choose from (default ``passes.REGISTRY``); add a pass of your own
     with ``passes.REGISTRY.with_pass(fxopt.rewrite.registry.PassSpec(name, fn, summary))``.
     ``capture``: the capture frontend (``fxopt.capture.chain``): "auto" (symbolic tracing when it
@@ -85,7 +88,11 @@ def optimize(
     with preserved_state(model):
         gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
         report = Report(model=type(model).__name__, trace=gm.meta["fxopt_trace"])
+        if predict_memory:
+            report.predicted_before = predicted_peaks(gm)
         report.passes = run_passes(gm, config, registry)
+        if predict_memory:
+            report.predicted_after = predicted_peaks(gm)
     copy_training_flags(model, gm)
     refuse_pickling(gm)  # a pass may have rebuilt the module
     if verify:

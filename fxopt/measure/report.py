@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from torch import fx
+
+from fxopt.analysis.estimate import PeakEstimate, estimate_peak
+from fxopt.capture.meta import placeholder_values
 from fxopt.capture.trace import TraceInfo
+from fxopt.core.errors import InputError
 from fxopt.measure.peaks import MemoryReport, format_bytes
 from fxopt.rewrite.pipeline import PassRecord
 from fxopt.verify.equivalence import VerifyReport
@@ -21,6 +26,8 @@ class Report:
     verification: VerifyReport | None = None
     memory_before: MemoryReport | None = None
     memory_after: MemoryReport | None = None
+    predicted_before: PeakEstimate | str | None = None  # str: why there is no prediction
+    predicted_after: PeakEstimate | str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -35,6 +42,8 @@ class Report:
             "verification": self.verification.as_dict() if self.verification else None,
             "memory_before": _memory_dict(self.memory_before),
             "memory_after": _memory_dict(self.memory_after),
+            "predicted_before": _predicted_dict(self.predicted_before),
+            "predicted_after": _predicted_dict(self.predicted_after),
         }
 
     def __str__(self) -> str:
@@ -50,16 +59,29 @@ class Report:
         if not self.passes:
             lines.append("  passes: none ran")
         for record in self.passes:
-            stats = ", ".join(f"{k}={v}" for k, v in record.stats.items() if not isinstance(v, (list, dict)))
+            stats = ", ".join(f"{k}={_stat(k, v)}" for k, v in record.stats.items()
+                              if not isinstance(v, (list, dict)))
             lines.append(f"  {record.name:<22} {'changed' if record.modified else 'unchanged':<9} "
                          f"{record.seconds * 1e3:7.1f} ms  {stats}")
             lines.extend(_region_lines(record.stats.get("regions", [])))
             lines.extend(_padded_op_lines(record.stats.get("ops", [])))
-        if self.memory_before and self.memory_after:
-            lines.append(memory_table(self.memory_before, self.memory_after))
+        table = peaks_table(self.predicted_before, self.predicted_after, self.memory_before,
+                            self.memory_after)
+        if table:
+            lines.append(table)
         if self.verification is not None:
             lines.append(f"  verification: {self.verification}")
         return "\n".join(lines)
+
+
+_BYTE_STATS = ("predicted_before", "predicted_after")
+
+
+def _stat(key: str, value: Any) -> Any:
+    """A pass statistic as the report prints it: sizes in MiB/KiB, the rest as they are."""
+    if isinstance(value, int) and (key.endswith("_bytes") or key in _BYTE_STATS):
+        return format_bytes(value)
+    return value
 
 
 def _region_lines(regions: list[dict[str, Any]]) -> list[str]:
@@ -84,17 +106,51 @@ def _memory_dict(report: MemoryReport | None) -> dict[str, Any] | None:
     return {"train": report.train.as_dict(), "inference": report.inference.as_dict()}
 
 
-def memory_table(before: MemoryReport, after: MemoryReport) -> str:
-    """Before/after peak memory, total and above the baseline (params, buffers, inputs)."""
-    rows = [f"  {'measured peak':<28}{'before':>12}{'after':>12}{'saved':>9}"]
-    for label, b, a in (
-        ("train step (total)", before.train.peak_bytes, after.train.peak_bytes),
-        ("train step (above baseline)", before.train.step_peak_bytes, after.train.step_peak_bytes),
-        ("inference (total)", before.inference.peak_bytes, after.inference.peak_bytes),
-        ("inference (above baseline)", before.inference.step_peak_bytes,
-         after.inference.step_peak_bytes),
-    ):
-        saved = f"{(1 - a / b) * 100:7.1f}%" if b else "    n/a"
-        rows.append(f"  {label:<28}{format_bytes(b):>12}{format_bytes(a):>12}{saved:>9}")
-    rows.append(f"  (device: {before.train.device}; method: {before.train.method})")
-    return "\n".join(rows)
+def predicted_peaks(gm: fx.GraphModule) -> PeakEstimate | str:
+    """``estimate_peak`` of ``gm`` on its placeholders' fake values, or why it cannot be had."""
+    try:
+        return estimate_peak(gm, placeholder_values(gm))
+    except InputError as error:
+        return error.what
+
+
+def _predicted_dict(estimate: PeakEstimate | str | None) -> dict[str, Any] | str | None:
+    if not isinstance(estimate, PeakEstimate):
+        return estimate
+    return {**asdict(estimate), "activation_bytes": estimate.activation_bytes}
+
+
+def peaks_table(predicted_before: PeakEstimate | str | None, predicted_after: PeakEstimate | str | None,
+                measured_before: MemoryReport | None, measured_after: MemoryReport | None) -> str:
+    """Before/after peaks as ``fxopt optimize`` prints them: measured rows where measured,
+    predicted rows where predicted; totals include parameters, buffers and inputs."""
+    rows: list[tuple[str, int, int]] = []
+    if measured_before and measured_after:
+        rows += [("train peak, measured", measured_before.train.peak_bytes,
+                  measured_after.train.peak_bytes),
+                 ("  activations at it, measured", measured_before.train.activations_at_peak_bytes,
+                  measured_after.train.activations_at_peak_bytes)]
+    both = [e for e in (predicted_before, predicted_after) if isinstance(e, PeakEstimate)]
+    if len(both) == 2:
+        before, after = both
+        rows += [("train peak, predicted", before.train_bytes, after.train_bytes),
+                 ("  activations at it, predicted", before.activation_bytes, after.activation_bytes)]
+    if measured_before and measured_after:
+        rows.append(("inference peak, measured", measured_before.inference.peak_bytes,
+                     measured_after.inference.peak_bytes))
+    if len(both) == 2:
+        rows.append(("inference peak, predicted", both[0].inference_bytes, both[1].inference_bytes))
+    lines = [f"  {'':<32}{'before':>12}{'after':>12}{'change':>9}"] if rows else []
+    for label, b, a in rows:
+        change = f"{(a / b - 1) * 100:+.1f}%" if b else "n/a"
+        lines.append(f"  {label:<32}{format_bytes(b):>12}{format_bytes(a):>12}{change:>9}")
+    for label, estimate in (("before", predicted_before), ("after", predicted_after)):
+        if isinstance(estimate, str):
+            lines.append(f"  no prediction {label}: {estimate}")
+    if rows:
+        method = (f"measured on {measured_before.train.device} by {measured_before.train.method}; "
+                  if measured_before else "")
+        lines.append(f"  ({method}predicted on fake tensors; peaks include parameters, buffers "
+                     "and inputs;\n   activations: the peak minus those and the parameter "
+                     "gradients alive at it)")
+    return "\n".join(lines)
