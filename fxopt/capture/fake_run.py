@@ -30,7 +30,7 @@ from torch import nn
 
 from fxopt.core.state import preserved_rng
 from fxopt.core.step import as_args
-from fxopt.core.tensors import storage_bytes, tensors_in
+from fxopt.core.tensors import storage_bytes, storage_key, tensors_in
 from fxopt.core.torch_private import (
     MKLDNN_RNN_WORKSPACE_INDEX,
     FakeTensor,
@@ -175,10 +175,41 @@ def on_fake_tensors(module: nn.Module, example_inputs: Any) -> Iterator[FakeRun]
             converted[id(t)] = fake_copy(t, mode)
         return converted[id(t)]
 
-    state = {name: convert(t) for name, t in module_state(module).items()}
+    real_state = module_state(module)
+    shared = _shared_storages(real_state.values())
+    for t in real_state.values():
+        if id(t) not in converted and _owns_storage(t, shared):
+            converted[id(t)] = _fresh_fake(t, mode)
+    state = {name: convert(t) for name, t in real_state.items()}
     inputs = tree_map_only(torch.Tensor, convert, as_args(example_inputs))
     with preserved_rng(), reparametrized(module, state), mode, RealSizedOutputs():
         yield FakeRun(mode, inputs, state)
+
+
+def _shared_storages(tensors: Any) -> set[int]:
+    """Storage keys held by more than one distinct tensor."""
+    owner: dict[int, int] = {}
+    shared = set()
+    for t in tensors:
+        key = storage_key(t)
+        if owner.setdefault(key, id(t)) != id(t):
+            shared.add(key)
+    return shared
+
+
+def _owns_storage(t: torch.Tensor, shared: set[int]) -> bool:
+    """Whether ``t`` is a plain dense tensor alone on exactly its own storage: then a fresh fake
+    of its layout is all a fake run needs (``mode.from_tensor`` describes far more, slowly)."""
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided
+            and not isinstance(t, FakeTensor) and t._base is None and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            and t.is_contiguous() and storage_key(t) not in shared)
+
+
+def _fresh_fake(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    with mode:
+        fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return fresh.requires_grad_(t.requires_grad)
 
 
 _WORKSPACE_BYTES: dict[tuple, int] = {}
