@@ -21,7 +21,7 @@ from fxopt.capture.train_eval import refuse_pickling
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.state import preserved_state
 from fxopt.measure.peaks import measure
-from fxopt.measure.report import Report, predicted_peaks
+from fxopt.measure.report import PhaseClock, Report, predicted_peaks
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
 from fxopt.rewrite.registry import PassRegistry
 from fxopt.verify.equivalence import verify as run_verify
@@ -85,21 +85,27 @@ def optimize(
         refuse_meta_tensors("verify" if verify else "measure", model, args)
     # Whatever tracing or a pass does to the user's tensors (a forward run eagerly, a timing
     # run drawing random numbers, a pass that crashes half-way) is undone here.
+    clock = PhaseClock()
     with preserved_state(model):
-        gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
-        report = Report(model=type(model).__name__, trace=gm.meta["fxopt_trace"])
-        if predict_memory:
-            report.predicted_before = predicted_peaks(gm)
-        report.passes = run_passes(gm, config, registry)
-        if predict_memory:
-            report.predicted_after = predicted_peaks(gm)
+        with clock("capture"):
+            gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
+        report = Report(model=type(model).__name__, trace=gm.meta["fxopt_trace"],
+                        seconds=clock.seconds)
+        with clock("predict"):
+            report.predicted_before = predicted_peaks(gm) if predict_memory else None
+        with clock("passes"):
+            report.passes = run_passes(gm, config, registry)
+        with clock("predict"):
+            report.predicted_after = predicted_peaks(gm) if predict_memory else None
     copy_training_flags(model, gm)
     refuse_pickling(gm)  # a pass may have rebuilt the module
     if verify:
-        report.verification = run_verify(model, gm, args, strict=True)
+        with clock("verify"):
+            report.verification = run_verify(model, gm, args, strict=True)
     if measure_memory:
-        report.memory_before = measure(model, args)
-        report.memory_after = measure(gm, args)
+        with clock("measure"):
+            report.memory_before = measure(model, args)
+            report.memory_after = measure(gm, args)
     gm.fxopt_report = report
     return gm
 

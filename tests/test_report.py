@@ -45,3 +45,15 @@ def test_prediction_can_be_turned_off():
     model, x = small_cnn(), torch.randn(2, 3, 16, 16)
     report = fxopt.optimize(model, x, predict_memory=False).fxopt_report
     assert report.predicted_before is None and "predicted" not in str(report).split("verification")[0]
+
+
+def test_report_says_how_long_each_phase_took():
+    torch.manual_seed(0)
+    model, x = small_cnn(), torch.randn(2, 3, 16, 16)
+    report = fxopt.optimize(model, x).fxopt_report
+    assert set(report.seconds) == {"capture", "predict", "passes", "verify"}
+    assert all(v > 0 for v in report.seconds.values())
+    assert report.seconds["passes"] >= sum(p.seconds for p in report.passes)
+    assert report.total_seconds == sum(report.seconds.values())
+    assert f"time: {report.total_seconds:.2f} s (capture " in str(report)
+    assert report.as_dict()["seconds"]["total"] == report.total_seconds

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,6 +31,7 @@ class Report:
     memory_after: MemoryReport | None = None
     predicted_before: PeakEstimate | str | None = None  # str: why there is no prediction
     predicted_after: PeakEstimate | str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -44,7 +48,13 @@ class Report:
             "memory_after": _memory_dict(self.memory_after),
             "predicted_before": _predicted_dict(self.predicted_before),
             "predicted_after": _predicted_dict(self.predicted_after),
+            "seconds": {**self.seconds, "total": self.total_seconds},
         }
+
+    @property
+    def total_seconds(self) -> float:
+        """Wall time of ``optimize`` (capture, prediction, passes, verification, measurement)."""
+        return sum(self.seconds.values())
 
     def __str__(self) -> str:
         lines = [f"fxopt report for {self.model}"]
@@ -71,7 +81,25 @@ class Report:
             lines.append(table)
         if self.verification is not None:
             lines.append(f"  verification: {self.verification}")
+        if self.seconds:
+            phases = ", ".join(f"{name} {value:.2f}" for name, value in self.seconds.items())
+            lines.append(f"  time: {self.total_seconds:.2f} s ({phases})")
         return "\n".join(lines)
+
+
+class PhaseClock:
+    """``with clock("verify"): ...`` adds the block's wall seconds to ``clock.seconds``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
 _BYTE_STATS = ("predicted_before", "predicted_after")
