@@ -119,6 +119,11 @@ def estimate_train_peak(module: nn.Module, example_inputs: Any) -> TrainPeak:
     return _tracked(module, example_inputs, _train)
 
 
+def estimate_inference_peak(module: nn.Module, example_inputs: Any) -> int:
+    """Predicted inference peak (bytes, baseline included) of ``module`` (no training run)."""
+    return _tracked(module, example_inputs, _inference).bytes
+
+
 def estimate_peak(module: nn.Module, example_inputs: Any) -> PeakEstimate:
     """Predicted training-step and inference peaks of ``module`` on ``example_inputs``."""
     train = estimate_train_peak(module, example_inputs)

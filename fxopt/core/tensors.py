@@ -45,7 +45,25 @@ CUDA_BLOCK_BYTES = 512
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors inside a value (a tensor, tuple, list, dict, dataclass, ...)."""
-    return [leaf for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+    found: list[torch.Tensor] = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value: Any, found: list[torch.Tensor]) -> None:
+    # Plain tuples, lists and dicts (every op's arguments and results) are walked here, the
+    # rest by fxopt.core.trees: this runs for every op a tracker sees.
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif type(value) in (tuple, list):
+        for item in value:
+            _collect(item, found)
+    elif type(value) is dict:
+        for item in value.values():
+            _collect(item, found)
+    elif value is not None and not isinstance(value, (int, float, bool, str, torch.dtype,
+                                                      torch.device)):
+        found.extend(leaf for leaf in leaves(value) if isinstance(leaf, torch.Tensor))
 
 
 def storage_key(t: torch.Tensor) -> int:

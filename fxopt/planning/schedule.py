@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.analysis import alias_classes, estimate_peak, saved_for_backward
+from fxopt.analysis import alias_classes, saved_for_backward
+from fxopt.analysis.estimate import estimate_inference_peak, estimate_train_peak
 from fxopt.analysis.randomness import draws_random_numbers
 from fxopt.analysis.writes import overwritten_inputs
 from fxopt.capture.meta import placeholder_values
@@ -187,7 +188,8 @@ def choose_schedule(gm: fx.GraphModule, *, train: bool = True) -> ScheduleDecisi
 
     Candidate orders are screened by ``static_peak``; only when some candidate promises a lower
     peak than the original are the original and the promising candidates scored by
-    ``estimate_peak`` (a fake-tensor run of forward and backward each).
+    ``estimate_train_peak`` (a fake-tensor run of forward and backward each) or
+    ``estimate_inference_peak``.
     """
     saved = _saved_values(gm, train)
     aliases = alias_classes(gm, either_mode=True)
@@ -200,11 +202,12 @@ def choose_schedule(gm: fx.GraphModule, *, train: bool = True) -> ScheduleDecisi
         stats["reason"] = "no candidate order lowers the forward peak (static screen)"
         return ScheduleDecision(None, stats)
     inputs = placeholder_values(gm)
-    objective = "train_bytes" if train else "inference_bytes"
     scores: dict[str, int] = {}
     for name in ["original", *promising]:
         graph = gm.graph if name == "original" else graph_in_order(gm.graph, orders[name])
-        scores[name] = getattr(estimate_peak(graph_module_like(gm, graph), inputs), objective)
+        candidate = graph_module_like(gm, graph)
+        scores[name] = (estimate_train_peak(candidate, inputs).bytes if train
+                        else estimate_inference_peak(candidate, inputs))
     best = min(scores, key=lambda k: (scores[k], k != "original"))
     stats.update({"strategy": best, "predicted_before": scores["original"],
                   "predicted_after": scores[best], "candidates": scores})
