@@ -51,6 +51,10 @@ class Report:
             "seconds": {**self.seconds, "total": self.total_seconds},
         }
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a Report pickled by an earlier fxopt lacks the fields added since
+        self.__dict__.update({"seconds": {}, **state})
+
     @property
     def total_seconds(self) -> float:
         """Wall time of ``optimize`` (capture, prediction, passes, verification, measurement)."""
