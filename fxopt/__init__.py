@@ -32,7 +32,13 @@ from fxopt.measure.report import Report
 from fxopt.rewrite.boxed import release_inputs
 from fxopt.rewrite.pass_base import PassResult
 from fxopt.rewrite.pipeline import Config
+from fxopt.runtime.fused_step import FusedOptimizer
 from fxopt.verify import VerifyReport, verify
+from fxopt.verify.fused_training import (
+    FusedTrainingReport,
+    fuse_optimizer,
+    verify_fused_training,
+)
 
 # Modules saved with torch.save before the layered packages name these flat modules (their
 # pickles and generated code import e.g. fxopt.regions.call_region): keep them importable.
@@ -51,3 +57,4 @@ __all__ = [
     "TraceError", "VerifyReport", "estimate_peak", "max_batch_size", "measure",
     "measure_inference", "measure_train_step", "optimize", "release_inputs", "trace", "verify",
 ]
+__all__ += ["FusedOptimizer", "FusedTrainingReport", "fuse_optimizer", "verify_fused_training"]

@@ -1,0 +1,449 @@
+"""Fuse an optimizer's step into backward (``fuse_optimizer``), and prove it trains the same
+(``verify_fused_training``).
+
+``fuse_optimizer(model, torch.optim.AdamW, lr=1e-3)`` builds the ordinary optimizer over
+``model.parameters()`` (or takes a factory ``lambda params: AdamW(params, ...)``, or an optimizer
+already built, e.g. one that just loaded a checkpoint) and returns a
+``fxopt.runtime.fused_step.FusedOptimizer``: from then on every backward updates each parameter
+as soon as its gradient is complete and frees that gradient. The training loop keeps its shape::
+
+    fused = fxopt.fuse_optimizer(model, torch.optim.AdamW, lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(fused, T_max=100)
+    for batch in loader:
+        loss_fn(model(batch)).backward()    # the parameters are updated here
+        fused.step()                        # ends the step (applies only what backward did not)
+        fused.zero_grad()
+        scheduler.step()
+    torch.save(fused.state_dict(), path)    # the ordinary AdamW's state dict
+
+The model may be the user's module, fxopt's optimized GraphModule (it holds the user's
+Parameter objects), or a ``DistributedDataParallel`` module (the step waits for the all-reduce).
+This file is the public entry point rather than ``fxopt.runtime`` because it raises fxopt's
+errors, which the torch-only runtime may not import.
+
+Refused with an error naming the alternative (each is tested):
+
+- ``max_grad_norm=``: clipping by the *global* norm needs every gradient before any update.
+  ``clip_grad_value=v`` is identical to ``clip_grad_value_`` in the ordinary loop;
+  ``max_grad_norm_per_parameter=c`` clips each gradient's own norm (a different, weaker rule).
+  A ``clip_grad_norm_`` call left in the loop sees only the last few small gradients (the
+  others are applied and freed): remove it.
+- Optimizers that need every gradient at once: a ``step(closure)`` that re-evaluates the model
+  (LBFGS), ``ZeroRedundancyOptimizer`` (sharded state).
+- GradScaler: ``scaler.step(fused)`` raises (the scaled gradients were already applied; the
+  inf check needs all of them first): use bfloat16 autocast, which needs no scaler.
+- Gradient accumulation is supported: ``accumulation_steps=N`` keeps gradients across the
+  first N-1 backward passes and steps on the N-th (memory is saved on the last micro-batch only).
+  Under DDP it is refused in favour of ``ddp.no_sync()``, which does the same with no option.
+- A distributed run (process group of several ranks) on a module that is not the DDP wrapper:
+  the step would use local gradients. Fuse the DDP module, or pass ``local_gradients=True``
+  when this module's gradients are not meant to be reduced.
+- DDP with ``find_unused_parameters=True``: a globally unused parameter would be stepped with a
+  zero gradient where plain DDP leaves it alone.
+
+``verify_fused_training`` runs ``steps`` training steps both ways from identical state and RNG
+and compares parameters, buffers, optimizer state and learning rates after every step; with
+``measure_memory=True`` it also measures each step's whole peak both ways (see its docstring).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.core.errors import ConfigError, EquivalenceError, InputError
+from fxopt.core.inputs import bind_keywords, refuse_meta_tensors
+from fxopt.core.state import preserved_state
+from fxopt.core.step import COTANGENT_SEED, as_args, training_step
+from fxopt.core.tensors import storage_bytes, tensors_in
+from fxopt.core.trees import map_tensors
+from fxopt.runtime.fused_step import (
+    DEFAULT_BUCKET_BYTES,
+    FusedOptimizer,
+    fused_optimizer_of,
+    paused,
+)
+from fxopt.verify.tensor_diff import Mismatch, compare_named, merged_tolerances
+
+OptimizerSpec = Any  # an Optimizer class, a factory ``params -> Optimizer``, or an Optimizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Fusing
+
+
+def fuse_optimizer(module: nn.Module, optimizer: OptimizerSpec, /, *,
+                   accumulation_steps: int = 1, clip_grad_value: float | None = None,
+                   max_grad_norm: float | None = None,
+                   max_grad_norm_per_parameter: float | None = None,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, local_gradients: bool = False,
+                   **optimizer_kwargs: Any) -> FusedOptimizer:
+    """Step ``optimizer`` inside ``module``'s backward, one parameter at a time; returns the
+    ``FusedOptimizer`` to call ``step()`` / ``zero_grad()`` / ``state_dict()`` on and to hand to
+    learning-rate schedulers.
+
+    ``optimizer``: a ``torch.optim.Optimizer`` class, called as
+    ``optimizer(list(module.parameters()), **optimizer_kwargs)`` (so ``state_dict()`` indexes the
+    parameters in ``module.parameters()`` order, as the ordinary optimizer built that way does);
+    a factory called the same way (it may build its own parameter groups, e.g. over the original
+    model's parameters when ``module`` is fxopt's GraphModule); or an optimizer already built
+    (no ``optimizer_kwargs`` then). ``accumulation_steps``: backward passes per optimizer step.
+    ``clip_grad_value`` / ``max_grad_norm_per_parameter``: per-parameter clipping before each
+    step; ``max_grad_norm`` (global-norm clipping) is refused. ``bucket_bytes``: parameters
+    smaller than this are stepped a few at a time, up to this many bytes of gradients (fewer
+    optimizer calls); 0 steps each alone. ``local_gradients``: fuse in a distributed run although
+    ``module`` is not wrapped by DDP. ``fused.remove()`` undoes it.
+    """
+    if not isinstance(module, nn.Module):
+        raise InputError(f"fuse_optimizer: the model is a {type(module).__name__}, not a "
+                         "torch.nn.Module", hint="pass the model (or its DDP wrapper) itself")
+    _check_options(accumulation_steps, clip_grad_value, max_grad_norm,
+                   max_grad_norm_per_parameter, bucket_bytes)
+    ddp = isinstance(module, nn.parallel.DistributedDataParallel)
+    _check_distributed(module, ddp, accumulation_steps, local_gradients)
+    built = _build(module, optimizer, optimizer_kwargs)
+    _check_optimizer(built)
+    try:
+        return FusedOptimizer(built, module, accumulation_steps=accumulation_steps,
+                              clip_grad_value=clip_grad_value,
+                              max_grad_norm_per_parameter=max_grad_norm_per_parameter,
+                              bucket_bytes=bucket_bytes, error=InputError)
+    except RuntimeError as exc:  # DDP refuses a second communication hook
+        if not ddp or "comm_hook" not in str(exc):
+            raise
+        raise InputError("fuse_optimizer: this DDP module already has a communication hook; "
+                         "the fused step needs its own (it steps after each bucket's "
+                         "all-reduce)", where="DistributedDataParallel.register_comm_hook",
+                         hint="wrap the model in a fresh DistributedDataParallel without a "
+                              "comm hook, then fuse it") from exc
+
+
+def _check_options(accumulation_steps: Any, clip_grad_value: Any, max_grad_norm: Any,
+                   max_grad_norm_per_parameter: Any, bucket_bytes: Any) -> None:
+    if max_grad_norm is not None:
+        raise ConfigError(
+            "fuse_optimizer: clipping by the global gradient norm (max_grad_norm, "
+            "clip_grad_norm_) needs every gradient before the first update, and a fused step "
+            "updates each parameter as soon as its own gradient is ready",
+            where="fuse_optimizer(max_grad_norm=...)",
+            hint="use clip_grad_value=v (identical to torch.nn.utils.clip_grad_value_ in the "
+                 "ordinary loop) or max_grad_norm_per_parameter=c (clips each parameter's "
+                 "gradient norm on its own: not the same rule), or keep the ordinary optimizer")
+    for name, value, low in (("accumulation_steps", accumulation_steps, 1),
+                             ("bucket_bytes", bucket_bytes, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"fuse_optimizer: {name}={value!r}",
+                              hint=f"pass an int >= {low}")
+    for name, value in (("clip_grad_value", clip_grad_value),
+                        ("max_grad_norm_per_parameter", max_grad_norm_per_parameter)):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise ConfigError(f"fuse_optimizer: {name}={value!r}", hint="pass a number > 0")
+
+
+def _check_distributed(module: nn.Module, ddp: bool, accumulation_steps: int,
+                       local_gradients: bool) -> None:
+    if ddp:
+        if module.find_unused_parameters:
+            raise InputError(
+                "fuse_optimizer: DDP with find_unused_parameters=True: a parameter no rank used "
+                "would be stepped with a zero gradient, where plain DDP leaves it untouched",
+                where="DistributedDataParallel(find_unused_parameters=True)",
+                hint="wrap with find_unused_parameters=False (every parameter used in every "
+                     "step), or keep the ordinary optimizer")
+        if accumulation_steps != 1:
+            raise ConfigError(
+                "fuse_optimizer: accumulation_steps under DDP: DDP accumulates with no_sync()",
+                where="fuse_optimizer(DistributedDataParallel, accumulation_steps=...)",
+                hint="leave accumulation_steps=1 and run the first micro-batches under "
+                     "`with ddp.no_sync():` (no all-reduce, so no step); the last one steps")
+        return
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and torch.distributed.get_world_size() > 1 and not local_gradients:
+        raise InputError(
+            f"fuse_optimizer: a process group of {torch.distributed.get_world_size()} ranks is "
+            f"running, and {type(module).__name__} is not a DistributedDataParallel module: the "
+            "fused step would use each rank's local gradient, before any all-reduce",
+            where=f"fuse_optimizer({type(module).__name__})",
+            hint="fuse the DDP wrapper: fuse_optimizer(DistributedDataParallel(model), ...); pass "
+                 "local_gradients=True if this module's gradients are not meant to be reduced")
+
+
+def _build(module: nn.Module, optimizer: OptimizerSpec, kwargs: dict) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if kwargs:
+            raise ConfigError(f"fuse_optimizer: keyword arguments {sorted(kwargs)} with an "
+                              "optimizer already built", hint="build it with them, or pass its "
+                              "class and the arguments")
+        return optimizer
+    if not callable(optimizer):
+        raise InputError(f"fuse_optimizer: the optimizer is a {type(optimizer).__name__}",
+                         hint="pass a torch.optim.Optimizer class (torch.optim.AdamW), a factory "
+                              "`lambda params: AdamW(params, lr=...)`, or an optimizer")
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        _check_optimizer_class(optimizer)
+    built = optimizer(list(module.parameters()), **kwargs)
+    if not isinstance(built, torch.optim.Optimizer):
+        raise InputError(f"fuse_optimizer: the factory returned a {type(built).__name__}, not a "
+                         "torch.optim.Optimizer", hint="return the optimizer it builds")
+    return built
+
+
+def _check_optimizer_class(cls: type) -> None:
+    step = inspect.signature(cls.step).parameters.get("closure")
+    if step is not None and step.default is inspect.Parameter.empty:
+        raise InputError(
+            f"fuse_optimizer: {cls.__name__} needs every gradient at once: its step(closure) "
+            "re-evaluates the whole model (and keeps state over all parameters together)",
+            where=f"{cls.__module__}.{cls.__name__}",
+            hint="use a per-parameter optimizer (SGD, Adam, AdamW, ...), or keep "
+                 f"{cls.__name__} as an ordinary optimizer")
+    if cls.__name__ == "ZeroRedundancyOptimizer" or issubclass(cls, FusedOptimizer):
+        what = ("shards the optimizer state across ranks and steps each rank's shard together"
+                if cls.__name__ == "ZeroRedundancyOptimizer" else "is fused already")
+        raise InputError(f"fuse_optimizer: {cls.__name__} {what}",
+                         where=f"{cls.__module__}.{cls.__name__}",
+                         hint="fuse the ordinary per-parameter optimizer (e.g. torch.optim.AdamW) "
+                              "instead; under DDP the fused step already overlaps the all-reduce")
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    _check_optimizer_class(type(optimizer))
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            other = fused_optimizer_of(p)
+            if other is not None and other.active:
+                raise InputError("fuse_optimizer: a parameter is already stepped by another "
+                                 "fused optimizer", where=f"parameter of shape {tuple(p.shape)}",
+                                 hint="call .remove() on the first fused optimizer, or fuse one "
+                                      "optimizer over all the parameters")
+
+
+# ---------------------------------------------------------------------------------------------
+# Verifying
+
+
+@dataclass
+class FusedTrainingReport:
+    """``verify_fused_training``'s result. ``mismatches``: (step, Mismatch) pairs, steps from 1;
+    ``bit_identical``: every compared tensor equal to the last bit. When memory was measured,
+    ``peaks`` holds per step the whole measured peak in bytes (ordinary, fused), and
+    ``baselines`` what was alive when that step started (parameters, buffers, inputs, optimizer
+    state, gradients), so ``peak - baseline`` is what the step itself added."""
+
+    ok: bool
+    steps: int
+    optimizer: str
+    checked: dict[str, int]
+    mismatches: list[tuple[int, Mismatch]]
+    bit_identical: bool
+    peaks: list[tuple[int, int]] = field(default_factory=list)
+    baselines: list[tuple[int, int]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{n} {kind}" for kind, n in self.checked.items())
+        lines = []
+        if self.ok:
+            how = "bit-identical" if self.bit_identical else "within tolerance"
+            lines.append(f"fused {self.optimizer} trains like the ordinary one: {self.steps} "
+                         f"steps, {counts} compared after each, {how}")
+        else:
+            lines.append(f"fused {self.optimizer} does NOT train like the ordinary one: "
+                         f"{len(self.mismatches)} mismatch(es) over {self.steps} steps")
+            for step, m in self.mismatches[:10]:
+                lines.append(f"  step {step}: {m.kind} {m.name} max abs {m.max_abs_diff:.3g} "
+                             f"rel {m.max_rel_diff:.3g}: {m.detail}")
+        for step, ((plain, fused), (base, _)) in enumerate(zip(self.peaks, self.baselines), 1):
+            lines.append(f"  step {step} whole peak: ordinary {plain / 2**20:.1f} MiB, fused "
+                         f"{fused / 2**20:.1f} MiB ({plain / max(fused, 1):.2f}x); above the "
+                         f"{base / 2**20:.1f} MiB alive at its start: {(plain - base) / 2**20:.1f}"
+                         f" vs {(fused - base) / 2**20:.1f} MiB")
+        return "\n".join(lines)
+
+
+def verify_fused_training(model: nn.Module, optimizer: OptimizerSpec, example_inputs: Any, *,
+                          steps: int = 3, candidate: nn.Module | None = None,
+                          accumulation_steps: int = 1, clip_grad_value: float | None = None,
+                          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                          scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                          seed: int = 0, tolerances: dict | None = None,
+                          measure_memory: bool = False, strict: bool = False,
+                          example_kwargs: dict[str, Any] | None = None,
+                          **optimizer_kwargs: Any) -> FusedTrainingReport:
+    """Train ``model`` ``steps`` steps with the ordinary optimizer, then ``candidate`` (default
+    ``model``; fxopt's GraphModule of it shares its parameters) with the fused one, from the same
+    parameters, buffers and RNG, and compare after every step.
+
+    A step is ``accumulation_steps`` forward+backward passes on ``example_inputs`` (fxopt's
+    training step: deterministic random cotangents, a different seed each step), then
+    ``clip_grad_value_`` if asked, ``optimizer.step()``, ``zero_grad()`` and ``scheduler.step()``
+    (``scheduler``: a factory over the optimizer) in the ordinary loop; the same passes then
+    ``fused.step()``, ``zero_grad()`` and ``scheduler.step()`` in the fused one
+    (``accumulation_steps``, ``clip_grad_value`` and ``bucket_bytes`` as ``fuse_optimizer``
+    takes them). Compared: every
+    parameter and buffer, every optimizer state tensor and value (by parameter name), and each
+    group's hyperparameters (a scheduler's lr). Float tensors pass within ``tolerances`` (fxopt's
+    defaults); ``bit_identical`` says whether no tolerance was needed. ``strict=True`` raises
+    ``EquivalenceError`` on a mismatch. The models are left as they were (parameters too).
+
+    ``measure_memory=True`` tracks every tensor storage during each step (forward, backward,
+    optimizer step, zero_grad; ``fxopt.analysis.memtrack``, exact on CPU) on top of what is alive
+    when the step starts: parameters, buffers, inputs, optimizer state (Adam's moments exist from
+    step 2 on: compare steps >= 2) and any gradient. ``peaks`` holds each step's whole peak both
+    ways.
+    """
+    if steps < 1:
+        raise ConfigError(f"verify_fused_training: steps={steps!r}", hint="pass an int >= 1")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise InputError("verify_fused_training needs to build the optimizer twice",
+                         hint="pass its class and arguments, or a factory over parameters")
+    candidate = model if candidate is None else candidate
+    args = as_args(example_inputs)
+    if example_kwargs:
+        args = bind_keywords(model, args, example_kwargs)
+    refuse_meta_tensors("verify_fused_training", model, args)
+    canonical = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    runs = []
+    for fused in (False, True):
+        module = candidate if fused else model
+        fuse = {"accumulation_steps": accumulation_steps, "clip_grad_value": clip_grad_value,
+                "bucket_bytes": bucket_bytes}
+        runs.append(_train(module, (model, candidate), optimizer, optimizer_kwargs, args, fused,
+                           steps, fuse, scheduler, seed, measure_memory, canonical))
+    tols = merged_tolerances(tolerances)
+    mismatches: list[tuple[int, Mismatch]] = []
+    checked: dict[str, int] = {}
+    identical = True
+    for step, (ref, cand) in enumerate(zip(*(records for records, _ in runs)), 1):
+        found: list[Mismatch] = []
+        for kind in ref:
+            checked[kind] = compare_named(kind, ref[kind], cand[kind], tols, found)
+            identical &= all(_equal(ref[kind][n], cand[kind].get(n)) for n in ref[kind])
+        mismatches += [(step, m) for m in found]
+    name = _optimizer_name(optimizer)
+    report = FusedTrainingReport(
+        ok=not mismatches, steps=steps, optimizer=name, checked=checked, mismatches=mismatches,
+        bit_identical=identical and not mismatches,
+        peaks=[(a[1], b[1]) for a, b in zip(runs[0][1], runs[1][1])],
+        baselines=[(a[0], b[0]) for a, b in zip(runs[0][1], runs[1][1])])
+    if strict and not report.ok:
+        step, worst = mismatches[0]
+        raise EquivalenceError(
+            f"fused {name} trains differently from the ordinary one: first at step {step}, "
+            f"{worst.kind} {worst.name} (max abs diff {worst.max_abs_diff:.3g})\n{report}",
+            where=f"step {step}, {worst.kind} {worst.name}",
+            hint="an optimizer whose step reads other parameters' gradients cannot be fused; "
+                 "otherwise report it as an fxopt bug")
+    return report
+
+
+def _optimizer_name(optimizer: OptimizerSpec) -> str:
+    return getattr(optimizer, "__name__", type(optimizer).__name__)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def _seed(seed: int) -> None:
+    torch.random.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
+def _train(module: nn.Module, both: tuple[nn.Module, nn.Module], optimizer: OptimizerSpec,
+           kwargs: dict, args: tuple, fused: bool, steps: int, fuse: dict[str, Any],
+           scheduler: Callable | None, seed: int, measure_memory: bool,
+           canonical: dict[int, str]
+           ) -> tuple[list[dict], list[tuple[int, int]]]:
+    """One arm: the records after each step, and each step's (baseline, whole peak) in bytes
+    when measured."""
+    records: list[dict] = []
+    peaks: list[tuple[int, int]] = []
+    # paused(): a fused optimizer the user already has on these parameters stays out of it
+    with paused(), preserved_state(*both), _parameters_restored(*both), torch.enable_grad():
+        for m in both:
+            for p in m.parameters():
+                p.grad = None
+        _seed(seed)
+        module.train()
+        accumulation_steps, clip_grad_value = fuse["accumulation_steps"], fuse["clip_grad_value"]
+        if fused:
+            opt = fuse_optimizer(module, optimizer, **fuse, **kwargs)
+        else:
+            opt = _build(module, optimizer, kwargs)
+        sched = scheduler(opt) if scheduler is not None else None
+        try:
+            for step in range(steps):
+                def one_step() -> None:
+                    for micro in range(accumulation_steps):
+                        inputs = map_tensors(lambda t: t.detach().clone(), args)
+                        training_step(module, inputs, seed=COTANGENT_SEED + 97 * step + micro)
+                    if clip_grad_value is not None and not fused:
+                        torch.nn.utils.clip_grad_value_(module.parameters(), clip_grad_value)
+                    opt.step()
+                    opt.zero_grad()
+
+                if measure_memory:
+                    alive = (list(module.parameters()), list(module.buffers()), args,
+                             [p.grad for p in module.parameters()], _state_tensors(opt))
+                    tracker = LiveStorageTracker()
+                    with tracker:
+                        one_step()
+                    baseline = storage_bytes(alive)
+                    peaks.append((baseline, baseline + tracker.peak_bytes))
+                else:
+                    one_step()
+                if sched is not None:
+                    sched.step()
+                records.append(_snapshot(module, opt, canonical))
+        finally:
+            if fused:
+                opt.remove()
+    return records, peaks
+
+
+def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return tensors_in([dict(s) for s in opt.state.values()])
+
+
+def _snapshot(module: nn.Module, opt: torch.optim.Optimizer,
+              canonical: dict[int, str]) -> dict[str, dict[str, Any]]:
+    def name(t: torch.Tensor, own: str) -> str:
+        return canonical.get(id(t), own)
+
+    params = {name(p, n): p.detach().clone() for n, p in module.named_parameters()}
+    buffers = {name(b, n): b.detach().clone() for n, b in module.named_buffers()}
+    names = {id(p): name(p, n) for n, p in module.named_parameters()}
+    state: dict[str, Any] = {}
+    for p, entries in opt.state.items():
+        for key, value in entries.items():
+            where = f"{names.get(id(p), f'parameter of shape {tuple(p.shape)}')}.{key}"
+            state[where] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+    groups = {f"param_groups[{i}].{key}": value for i, group in enumerate(opt.param_groups)
+              for key, value in group.items() if key != "params"}
+    return {"parameter": params, "buffer": buffers, "optimizer_state": state,
+            "hyperparameter": groups}
+
+
+class _parameters_restored:
+    """Put every parameter's value back on exit (``preserved_state`` restores gradients, buffers
+    and flags, not values an optimizer changed)."""
+
+    def __init__(self, *modules: nn.Module):
+        self.params = list({id(p): p for m in modules for p in m.parameters()}.values())
+
+    def __enter__(self) -> None:
+        self.values = [p.detach().clone() for p in self.params]
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for p, value in zip(self.params, self.values):
+                p.copy_(value)
