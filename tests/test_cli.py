@@ -46,16 +46,23 @@ def run(argv, capsys):
 
 
 def test_optimize_prints_the_table_and_exports(tmp_path, capsys):
-    code, out, _ = run(["optimize", "zoo:mlp", "--out", str(tmp_path / "out"), "--repeats", "1"],
-                       capsys)
+    code, out, _ = run(["optimize", "zoo:mlp", "--out", str(tmp_path / "out"), "--repeats", "1",
+                        "--threads", "1"], capsys)
     assert code == 0
     for row in ("inplace_activations", "train peak, measured", "train peak, predicted",
-                "inference peak, measured", "train step, median of 1", "verification: equivalent",
-                "device: cpu", "loads with torch only"):
+                "inference peak, measured", "train step, fastest of", "train step, median of",
+                "train step, slowest of", "verification: equivalent",
+                "device: cpu, 1 torch thread;", "parameters, buffers and inputs included",
+                "loads with torch only"):
         assert row in out, row
     document = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert document["schema"] == "fxopt.optimize/1"
     assert document["target"] == "zoo:mlp" and document["input_shapes"] == [[8, 784]]
     assert document["comparison"]["before"]["train_measured"] > 0
+    times = document["comparison"]["step_times"]
+    assert times["before"]["fastest_seconds"] <= times["before"]["median_seconds"] \
+        <= times["before"]["slowest_seconds"]
+    assert isinstance(times["within_noise"], bool) and document["comparison"]["torch_threads"] == 1
     assert document["export"]["verification"]["ok"] is True
     assert (tmp_path / "out" / "model.py").is_file()
 
@@ -76,6 +83,7 @@ def test_report_without_matplotlib(tmp_path, capsys, monkeypatch):
     code, out, _ = run(["report", "zoo:mlp", "--no-plot", "--json"], capsys)
     assert code == 0
     document = json.loads(out)
+    assert document["schema"] == "fxopt.report/1" and document["target"] == "zoo:mlp"
     assert document["breakdown"]["train"]["peak_bytes"] > 0 and document["timelines"] == []
     assert {lint["code"] for lint in document["lints"]} == {"not-multiple-of-8"}
     code, out, err = run(["report", "zoo:mlp", "--plot", str(tmp_path / "m.png")], capsys)
@@ -120,13 +128,20 @@ def test_check_exit_codes_and_json(capsys, monkeypatch):
 
 
 def test_bench_table_and_json(capsys):
+    threads = torch.get_num_threads()
     code, out, _ = run(["bench", "zoo:mlp", "--peers", "checkpoint_sequential", "--repeats", "1",
-                        "--json"], capsys)
+                        "--threads", "1", "--json"], capsys)
     assert code == 0
     document = json.loads(out)
+    assert document["schema"] == "fxopt.bench/1" and document["device"].endswith("1 thread")
+    assert document["train_peak"] == "the whole step, parameters, buffers and inputs included"
     rows = document["results"][0]["rows"]
     assert [r["name"] for r in rows] == ["original", "fxopt", "checkpoint_sequential"]
     assert rows[0]["memory_ratio"] == 1.0 and rows[1]["train_peak_bytes"] > 0
+    assert rows[0]["train_peak_bytes"] > rows[0]["baseline_bytes"] > 0  # parameters included
+    assert all(r["step_fastest_seconds"] <= r["step_seconds"] <= r["step_slowest_seconds"]
+               for r in rows)
+    assert torch.get_num_threads() == threads  # --threads is restored after
 
 
 def test_bench_reads_every_budget_before_any_work(capsys, monkeypatch):
@@ -304,3 +319,224 @@ def test_keyword_inputs_from_a_file_and_ecosystem_targets(tmp_path, capsys):
         pytest.skip("eco: targets need the test extra")
     code, out, _ = run(["check", "eco:hf_bert_classifier"], capsys)
     assert code == 0 and "equivalent" in out.lower(), out
+
+
+# --- item 3: --device ---------------------------------------------------------------------------
+
+def test_device_cuda_without_a_gpu_is_a_usage_error_that_says_what_to_do(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine with one
+    code, out, err = run(["optimize", "zoo:mlp", "--device", "cuda"], capsys)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("fxopt: --device cuda: no CUDA device is available")
+    assert "where: --device" in err and "what to do:" in err and "--device cpu" in err
+    code, _, err = run(["check", "zoo:mlp", "--device", "tpu"], capsys)
+    assert code == 2 and "unknown --device 'tpu'" in err and "cuda:N" in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, _, err = run(["check", "zoo:mlp", "--device", "cuda:3"], capsys)
+    assert code == 2 and "there is no GPU 3; this machine has 1 (cuda:0)" in err
+
+
+def test_device_cpu_runs_on_the_cpu(capsys):
+    code, out, err = run(["check", "zoo:mlp", "--device", "cpu", "--seeds", "0"], capsys)
+    assert code == 0 and "equivalent: 2 of 2 runs match" in out, err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+def test_device_cuda_moves_model_and_inputs_and_reads_the_allocator(tmp_path, capsys):
+    code, out, err = run(["optimize", "zoo:odd_channel_cnn", "--device", "cuda", "--repeats", "1",
+                          "--memory-budget", "min", "--out", str(tmp_path / "out")], capsys)
+    assert code == 0, err
+    assert "device: cuda:0" in out and "CUDA caching allocator" in out
+    assert "verification: equivalent" in out
+    code, out, err = run(["bench", "zoo:odd_channel_cnn", "--device", "cuda:0", "--repeats", "1",
+                          "--peers", "checkpoint_sequential", "--json"], capsys)
+    assert code == 0, err
+    assert "(CUDA)" in json.loads(out)["device"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+def test_python_api_takes_a_model_and_inputs_already_on_cuda():
+    import fxopt
+    import models_zoo
+
+    model, inputs = models_zoo.build("odd_channel_cnn")
+    model, inputs = model.cuda(), tuple(t.cuda() for t in inputs)
+    slim = fxopt.optimize(model, inputs, memory_budget="min", measure_memory=True)
+    assert slim.fxopt_report.verification.ok
+    assert all(p.is_cuda for p in slim.parameters())
+    assert slim.fxopt_report.memory_after.train.method == "CUDA caching allocator"
+    assert slim(*inputs).is_cuda
+
+
+# --- item 4: inputs from the command line -------------------------------------------------------
+
+LM = """
+import torch
+from torch import nn
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=50):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 8)
+        self.head = nn.Linear(8, vocab)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = self.embed(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        logits = self.head(torch.relu(h))
+        if labels is None:
+            return logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 6)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, ids):
+        return torch.relu(self.fc(x + self.embed(ids)))
+
+
+def with_inputs():
+    return TwoInputs(), (torch.randn(2, 6), torch.randint(0, 50, (2,)))
+
+
+def with_kwargs():
+    ids = torch.randint(0, 50, (2, 5))
+    return TinyLM(), {"input_ids": ids, "labels": ids}
+
+
+def with_args_and_kwargs():
+    ids = torch.randint(0, 50, (2, 5))
+    return TinyLM(), (ids,), {"labels": ids}
+
+
+def with_one_tensor():
+    return TinyLM(), torch.randint(0, 50, (3, 4))
+
+
+def broken():
+    return TinyLM(), 1, 2, 3
+
+
+def raises():
+    raise ValueError("no weights here")
+"""
+
+
+@pytest.fixture
+def lm_file(tmp_path):
+    path = tmp_path / "lm.py"
+    path.write_text(LM)
+    return str(path)
+
+
+def test_input_spec_grammar():
+    from fxopt.cli.inputs import parse_input_spec
+    from fxopt.core.errors import InputError
+
+    spec = parse_input_spec("input_ids=4,256:int64:0-50257")
+    assert (spec.name, spec.shape, spec.dtype, spec.value_range) == (
+        "input_ids", (4, 256), "int64", (0, 50257))
+    spec = parse_input_spec("8x3x32x32:float16:-1-1")
+    assert (spec.name, spec.shape, spec.dtype, spec.value_range) == (
+        None, (8, 3, 32, 32), "float16", (-1, 1))
+    assert parse_input_spec("labels=@input_ids").same_as == "input_ids"
+    for bad, says in (("4,0", "positive sizes"), ("4,4:int8", "unknown dtype 'int8'"),
+                      ("4:int64:0.5-3", "integer range"), ("4:int64:9-3", "LOW must be below"),
+                      ("4:bool:0-2", "no value range"), ("1x=4", "bad input name"),
+                      ("@ids", "NAME=@OTHER"), ("4:int64:0..9", "bad value range")):
+        with pytest.raises(InputError) as info:
+            parse_input_spec(bad)
+        assert says in str(info.value), (bad, str(info.value))
+
+
+def test_several_positional_and_keyword_inputs_with_integer_ranges(lm_file, capsys):
+    from fxopt.cli.inputs import parse_input_spec
+    from fxopt.cli.targets import load_target
+
+    specs = [parse_input_spec(text) for text in (
+        "input_ids=4,9:int64:0-50", "attention_mask=4,9:int64:1-2", "labels=@input_ids")]
+    model, inputs = load_target(f"{lm_file}:TinyLM", input_specs=specs)
+    ids, mask, labels = inputs  # bound to forward's parameters by name
+    assert ids.shape == (4, 9) and ids.dtype == torch.int64 and ids.max() > 1 and ids.max() < 50
+    assert bool((mask == 1).all()) and labels is ids
+    specs = [parse_input_spec("2,6"), parse_input_spec("2:int64")]
+    _, (x, small) = load_target(f"{lm_file}:TwoInputs", input_specs=specs, int_range=(0, 50))
+    assert x.dtype == torch.float32 and small.max() < 50 and small.dtype == torch.int64
+    _, (ids,) = load_target("zoo:transformer_lm", input_shape=(2, 16), int_range=(0, 1000))
+    assert ids.shape == (2, 16) and 1 < int(ids.max()) < 1000
+    _, (ids,) = load_target(f"{lm_file}:TinyLM", input_shape=(3, 7), dtype="int64",
+                            int_range=(0, 50))
+    assert ids.dtype == torch.int64 and 1 < int(ids.max()) < 50
+    code, out, err = run(["check", f"{lm_file}:TinyLM", "--input", "input_ids=2,5:int64:0-50",
+                          "--input", "labels=@input_ids", "--seeds", "0"], capsys)
+    assert code == 0 and "equivalent: 2 of 2 runs match" in out, err
+
+
+def test_integer_inputs_without_a_range_say_so(lm_file, capsys):
+    code, _, err = run(["check", f"{lm_file}:TinyLM", "--input-shape", "2,5", "--dtype", "int64",
+                        "--seeds", "0"], capsys)
+    assert code == 0
+    assert "note: the int64 input is drawn from 0-1 (zeros and ones)" in err
+    assert "--int-range 0,VOCAB" in err
+    code, _, err = run(["check", f"{lm_file}:TinyLM", "--input-shape", "2,5", "--int-range",
+                        "0,50"], capsys)  # a float input: nothing for the range to apply to
+    assert code == 2 and "--int-range has no integer input to apply to" in err
+    code, _, err = run(["check", f"{lm_file}:TinyLM", "--input-shape", "2,5", "--input", "2,5"],
+                       capsys)
+    assert code == 2 and "--input-shape and --input both describe the example inputs" in err
+    code, _, err = run(["check", f"{lm_file}:TinyLM", "--input", "labels=@input_ids"], capsys)
+    assert code == 2 and "reuses 'input_ids', which no --input before it names" in err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["check", f"{lm_file}:TinyLM", "--int-range", "5,1"])
+    assert exit_info.value.code == 2 and "LOW must be below HIGH" in capsys.readouterr().err
+
+
+def test_factory_returning_the_model_and_its_inputs(lm_file, capsys):
+    from fxopt.cli.targets import load_target
+    from fxopt.core.errors import InputError
+
+    model, (x, ids) = load_target(f"{lm_file}:with_inputs")
+    assert type(model).__name__ == "TwoInputs" and x.shape == (2, 6) and ids.shape == (2,)
+    _, (ids, mask, labels) = load_target(f"{lm_file}:with_kwargs")
+    assert mask is None and labels is ids  # a skipped parameter takes its default
+    _, (ids, mask, labels) = load_target(f"{lm_file}:with_args_and_kwargs")
+    assert labels is ids
+    _, (ids,) = load_target(f"{lm_file}:with_one_tensor", input_shape=(2, 3))
+    assert ids.shape == (2, 3) and ids.dtype == torch.int64  # replaced like the factory's own
+    with pytest.raises(InputError, match=r"gave a tuple of 4 items, not an nn.Module"):
+        load_target(f"{lm_file}:broken")
+    with pytest.raises(InputError, match=r"raised ValueError: no weights here"):
+        load_target(f"{lm_file}:raises")
+    code, out, err = run(["check", f"{lm_file}:with_kwargs", "--seeds", "0"], capsys)
+    assert code == 0 and "equivalent: 2 of 2 runs match" in out, err
+    code, _, err = run(["check", f"{lm_file}:TinyLM"], capsys)
+    assert code == 2 and "needs example inputs" in err and "--input" in err
+
+
+# --- item 9: help and wording ------------------------------------------------------------------
+
+def test_help_is_for_users_and_every_option_says_what_it_does(capsys):
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.split("\n\n")[1].startswith("fxopt rewrites a PyTorch model")
+    assert "argparse" not in out and "No logic of its own" not in out
+    subparsers = parser._subparsers._group_actions[0].choices
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            assert action.help, f"fxopt {name} {action.option_strings or action.dest} has no help"
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--help"])
+    out = capsys.readouterr().out
+    assert "--input [NAME=]SHAPE[:DTYPE[:LOW-HIGH]]" in out and "--int-range LOW,HIGH" in out
+    assert "--device DEVICE" in out and "labels=@input_ids" in out

@@ -7,8 +7,9 @@ import platform
 import torch
 
 
-def device_name(device: torch.device) -> str:
+def device_name(device: torch.device | str) -> str:
     """``"NVIDIA H100 ... (CUDA)"`` or ``"CPU <model name>, <n> threads"``."""
+    device = torch.device(device)
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA)"
     cpu = platform.processor() or platform.machine()
@@ -18,4 +19,5 @@ def device_name(device: torch.device) -> str:
                        if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"CPU {cpu}, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return f"CPU {cpu}, {threads} thread{'s' if threads != 1 else ''}"

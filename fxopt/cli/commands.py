@@ -3,6 +3,8 @@
 Subcommands: ``optimize`` (rewrite, verify, compare, export), ``report`` (memory breakdown,
 lints, memory plot), ``check`` (the CI equivalence gate), ``bench`` (original vs fxopt vs peers).
 Errors are one block -- what, where, what to do -- without a traceback unless ``--debug``.
+JSON documents carry a ``schema`` key: ``fxopt.check/1`` (``fxopt.check``), ``fxopt.report/1``
+(``report --json``), ``fxopt.optimize/1`` (``optimize --out``'s report.json), ``fxopt.bench/1``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+DESCRIPTION = """\
+fxopt rewrites a PyTorch model to use less memory (in-place activations, activation
+checkpointing under a memory budget, channel padding, memory-aware reordering), proves the
+rewritten model computes the same function, and measures what it saves."""
+
 EPILOG = """\
-TARGET is zoo:NAME (a models_zoo model), path/to/file.py:ClassOrFactory or
-package.module:factory (a class or a function called without arguments).
+TARGET is zoo:NAME (a models_zoo model), eco:NAME (a Hugging Face, diffusers, smp, monai or timm
+model; the test extra), path/to/file.py:NAME or package.module:NAME. NAME is a module class or a
+function called without arguments that returns a module, (model, inputs), (model, kwargs_dict)
+or (model, args, kwargs).
+
+example inputs (one of; zoo, eco and factory targets bring their own):
+  --input-shape 8,3,224,224                 one float tensor (--dtype sets its dtype)
+  --input 2,16:int64:0-1000 --input 2,16    several positional tensors, in order
+  --input input_ids=4,256:int64:0-50257 --input labels=@input_ids
+                                            keyword inputs (NAME=), token ids in [0, 50257),
+                                            labels the same tensor as input_ids
+  --inputs inputs.pt                        torch.save'd tensor, tuple or dict of keyword inputs
 
 exit codes:
   0  ok (check: every run matched)
@@ -27,13 +44,31 @@ exit codes:
 """
 
 
+def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from a parser raising InputError: argparse prints it and exits 2."""
+    def convert(text: str) -> Any:
+        from fxopt.core.errors import InputError
+        try:
+            return parse(text)
+        except InputError as error:
+            raise argparse.ArgumentTypeError(f"{error.what} ({error.hint})") from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
 def _shape(text: str) -> tuple[int, ...]:
-    from fxopt.cli.targets import parse_shape
-    from fxopt.core.errors import InputError
-    try:
-        return parse_shape(text)
-    except InputError as error:
-        raise argparse.ArgumentTypeError(f"{error.what} ({error.hint})") from None
+    from fxopt.cli.inputs import parse_shape
+    return _argument_type(parse_shape)(text)
+
+
+def _input_spec(text: str) -> Any:
+    from fxopt.cli.inputs import parse_input_spec
+    return _argument_type(parse_input_spec)(text)
+
+
+def _int_range(text: str) -> tuple[int, int]:
+    from fxopt.cli.inputs import parse_int_range
+    return _argument_type(parse_int_range)(text)
 
 
 def _ints(text: str) -> list[int]:
@@ -70,17 +105,41 @@ def _common(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
                         help="zoo:NAME, eco:NAME (Hugging Face, diffusers, smp, monai, timm "
                              "models; the test extra), path/to/file.py:ClassOrFactory or "
                              "package.module:factory")
-    parser.add_argument("--input-shape", type=_shape, default=None,
-                        help="shape of the example input, e.g. 8,3,224,224 (zoo models have one)")
-    parser.add_argument("--inputs", default=None, metavar="FILE",
+    inputs = parser.add_argument_group(
+        "example inputs", "one of these; zoo, eco and factory targets bring their own")
+    inputs.add_argument("--input-shape", type=_shape, default=None, metavar="SHAPE",
+                        help="one positional tensor of --dtype, e.g. 8,3,224,224 (for zoo and "
+                             "factory targets it replaces the first input; for eco targets only "
+                             "the batch size is read)")
+    inputs.add_argument("--input", type=_input_spec, action="append", default=None,
+                        dest="input_specs", metavar="[NAME=]SHAPE[:DTYPE[:LOW-HIGH]]",
+                        help="a tensor, repeatable: positional in the order given, or the "
+                             "keyword argument NAME; DTYPE default --dtype (also int32, bool); "
+                             "LOW-HIGH draws values in [LOW, HIGH), e.g. "
+                             "input_ids=4,256:int64:0-50257; NAME=@OTHER reuses input OTHER "
+                             "(labels=@input_ids)")
+    inputs.add_argument("--inputs", default=None, metavar="FILE",
                         help="example inputs saved with torch.save: a tensor, a tuple of "
                              "forward's positional arguments, or a dict of keyword arguments "
                              "(input_ids=..., labels=...)")
+    inputs.add_argument("--int-range", type=_int_range, default=None, metavar="LOW,HIGH",
+                        help="range [LOW, HIGH) of integer tensors drawn without one of their "
+                             "own, e.g. 0,50257 for token ids (default 0,2: zeros and ones)")
     parser.add_argument("--dtype", default="float32",
-                        choices=["float32", "float16", "bfloat16", "float64", "int64"])
+                        choices=["float32", "float16", "bfloat16", "float64", "int64"],
+                        help="float16, bfloat16 and float64 cast the model and every float input; "
+                             "also the dtype of --input-shape's tensor and of --input specs that "
+                             "name none (int64: token ids, see --int-range); default float32")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default), cuda or cuda:N: the model and inputs are moved "
+                             "there; on CUDA memory is read from the caching allocator")
+    parser.add_argument("--threads", type=_positive, default=None, metavar="N",
+                        help="torch CPU threads (torch.set_num_threads) while fxopt runs; "
+                             "default torch's own. Pin it for steadier step times")
     parser.add_argument("--weights", help="a state_dict saved with torch.save")
     parser.add_argument("--passes", default=None,
-                        help="e.g. inplace,checkpoint{budget=0.5},reorder (default: all defaults)")
+                        help="e.g. 'inplace,checkpoint{budget=0.5},reorder' (quote it: the "
+                             "shell expands braces); default: every default pass")
     parser.add_argument("--memory-budget", default=None,
                         help="bytes, '2GiB', '300MB', a fraction of activation memory (0.5), or "
                              "'min' (the least memory checkpointing reaches)")
@@ -92,7 +151,7 @@ def _common(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxopt", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="fxopt", description=DESCRIPTION,
                                      epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,17 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
     _common(opt)
     opt.add_argument("--out", help="write the exported module, its weights and report.json here")
     opt.add_argument("--no-verify", action="store_true", help="skip the equivalence check")
-    opt.add_argument("--repeats", type=_positive, default=5, help="timed training steps (default 5)")
+    opt.add_argument("--repeats", type=_positive, default=5,
+                     help="timed training steps per model: at least this many (default 5), more "
+                          "until each model has run 1 s")
 
-    rep = command("report", "memory breakdown, seed-document lints and memory.png (memory over "
-                            "a training step, before and after optimization); writes no model")
+    rep = command("report", "memory breakdown, lints from common PyTorch memory advice and "
+                            "memory.png (memory over a training step, before and after "
+                            "optimization); writes no model")
     _common(rep)
     rep.add_argument("--for-inference", action="store_true",
                      help="the model is meant for inference: flag layers left in train mode")
     rep.add_argument("--plot", default="memory.png", help="where to draw (default memory.png)")
     rep.add_argument("--no-plot", action="store_true", help="draw nothing (no matplotlib needed)")
     rep.add_argument("--top", type=_positive, default=8, help="saved tensors to list (default 8)")
-    rep.add_argument("--json", action="store_true", help="print JSON instead of text")
+    rep.add_argument("--json", action="store_true",
+                     help="print JSON instead of text (schema fxopt.report/1)")
 
     chk = command("check", "the CI equivalence gate: optimize, then verify outputs, gradients "
                            "and buffers on several random inputs (and batch sizes)")
@@ -134,15 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--peers", default=None,
                      help="comma-separated, or none (default: checkpoint_sequential,"
                           "torch_compile_min_cut)")
-    ben.add_argument("--repeats", type=_positive, default=5, help="timed steps per variant")
-    ben.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ben.add_argument("--repeats", type=_positive, default=5,
+                     help="timed training steps per variant: at least this many (default 5), "
+                          "more until each has run 1 s")
+    ben.add_argument("--json", action="store_true",
+                     help="print JSON instead of a table (schema fxopt.bench/1)")
     return parser
 
 
 def _load(args: argparse.Namespace, target: str | None = None) -> tuple[Any, tuple]:
     from fxopt.cli.targets import load_target
     return load_target(target or args.target, input_shape=args.input_shape, dtype=args.dtype,
-                       weights=args.weights, inputs_file=args.inputs)
+                       weights=args.weights, inputs_file=args.inputs,
+                       input_specs=args.input_specs, int_range=args.int_range,
+                       device=args.device)
 
 
 _BARS: list[Any] = []  # progress bars to end cleanly when an error stops the work
@@ -154,10 +222,19 @@ def _progress(title: str) -> Any:
     return _BARS[-1]
 
 
+OPTIMIZE_SCHEMA = "fxopt.optimize/1"
+REPORT_SCHEMA = "fxopt.report/1"
+BENCH_SCHEMA = "fxopt.bench/1"
+
+
+def _describe_inputs(inputs: tuple) -> list[Any]:
+    return [list(t.shape) if hasattr(t, "shape") else repr(t) for t in inputs]
+
+
 def _optimize(args: argparse.Namespace) -> int:
     from fxopt.api import optimize
+    from fxopt.bench.before_after import before_after
     from fxopt.export.writer import export
-    from fxopt.measure.compare import compare
 
     model, inputs = _load(args)
     progress = _progress("fxopt optimize")
@@ -166,7 +243,7 @@ def _optimize(args: argparse.Namespace) -> int:
     gm = optimize(model, inputs, passes=args.passes, memory_budget=_budget(args.memory_budget),
                   verify=not args.no_verify, capture=args.capture)
     progress(1, steps, "measuring")
-    comparison = compare(model, gm, inputs, repeats=args.repeats)
+    comparison = before_after(model, gm, inputs, repeats=args.repeats)
     if args.out:
         progress(2, steps, "exporting")
         result = export(gm, args.out, example_inputs=inputs)
@@ -174,9 +251,8 @@ def _optimize(args: argparse.Namespace) -> int:
     print(gm.fxopt_report)
     print(comparison)
     if args.out:
-        document = {"target": args.target,
-                    "input_shapes": [list(t.shape) if hasattr(t, "shape") else repr(t)
-                                     for t in inputs],
+        document = {"schema": OPTIMIZE_SCHEMA, "target": args.target,
+                    "input_shapes": _describe_inputs(inputs),
                     **gm.fxopt_report.as_dict(), "comparison": comparison.as_dict(),
                     "export": result.as_dict()}
         (Path(args.out) / "report.json").write_text(json.dumps(document, indent=2, default=str))
@@ -220,7 +296,8 @@ def _report(args: argparse.Namespace) -> int:
         progress(4, steps, "done")
         print(f"wrote {path} ({peaks})", file=sys.stderr if args.json else sys.stdout)
     if args.json:
-        print(json.dumps({"breakdown": breakdown.as_dict(top=args.top),
+        print(json.dumps({"schema": REPORT_SCHEMA, "target": args.target,
+                          "breakdown": breakdown.as_dict(top=args.top),
                           "lints": [lint.as_dict() for lint in lints],
                           "timelines": [{k: v for k, v in t.as_dict().items()
                                          if k not in ("ops", "live_bytes")} for t in timelines]},
@@ -243,6 +320,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from fxopt.bench.environment import device_name
     from fxopt.bench.runs import DEFAULT_PEERS, bench, format_table
     from fxopt.planning.budget import parse_budget
 
@@ -254,9 +332,10 @@ def _bench(args: argparse.Namespace) -> int:
     peers = DEFAULT_PEERS if args.peers is None else tuple(
         p for p in args.peers.split(",") if p and p != "none")
     jobs = [(target, budget) for target in args.target for budget in budgets]
-    per_job = 2 + len(peers)
+    per_job = 3 + len(peers)
     progress = _progress("fxopt bench")
     results = []
+    device = device_name(args.device)
     for index, (target, budget) in enumerate(jobs):
         model, inputs = _load(args, target)
         rows = bench(model, inputs, passes=args.passes, memory_budget=budget, peers=peers,
@@ -264,11 +343,15 @@ def _bench(args: argparse.Namespace) -> int:
                      progress=lambda done, total, label, base=index * per_job: progress(
                          base + done, len(jobs) * per_job, f"{target} {label}"))
         results.append({"target": target, "memory_budget": budget,
+                        "input_shapes": _describe_inputs(inputs),
                         "rows": [row.as_dict() for row in rows]})
         if not args.json:
-            print(f"{target}, memory budget {budget or 'none'}:\n{format_table(rows)}\n")
+            print(f"{target}, memory budget {budget or 'none'}:\n"
+                  f"{format_table(rows, device)}\n")
     if args.json:
-        print(json.dumps({"schema": "fxopt.bench/1", "results": results}, indent=2))
+        from fxopt.bench.before_after import PEAK_DEFINITION
+        print(json.dumps({"schema": BENCH_SCHEMA, "device": device,
+                          "train_peak": PEAK_DEFINITION, "results": results}, indent=2))
     return 0
 
 
@@ -295,9 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     from fxopt.core.torch_private import quiet_fake_tensor_logs
 
     # torch logs a traceback for each failed fake-tensor op; fxopt's own error says what failed
+    from fxopt.cli.device import parse_device, torch_threads
+
     quiet = contextlib.nullcontext() if args.debug else quiet_fake_tensor_logs()
     try:
-        with quiet:
+        with quiet, torch_threads(args.threads):
+            args.device = parse_device(args.device)
             return COMMANDS[args.command](args)
     except EquivalenceError as error:
         if args.debug:

@@ -29,6 +29,9 @@ from fxopt.core.tensors import module_device, storage_bytes
 from fxopt.measure.allocations import cuda_peak_during
 
 
+CUDA_METHOD = "CUDA caching allocator"
+
+
 @dataclass(frozen=True)
 class MemoryFigure:
     mode: str                       # "train" | "inference"
@@ -49,11 +52,41 @@ class MemoryFigure:
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "step_peak_bytes": self.step_peak_bytes}
 
+    def format(self) -> str:
+        """One readable line: ``train peak 36.2 MiB = baseline 858.8 KiB (parameters ...,
+        buffers ..., inputs ...) + step 35.4 MiB (gradients ..., activations ...)``."""
+        split = ("gradients and activations not told apart by the CUDA allocator"
+                 if self.method == CUDA_METHOD else
+                 f"gradients {format_bytes(self.grads_at_peak_bytes)}, activations "
+                 f"{format_bytes(self.activations_at_peak_bytes)}")
+        return (f"{self.mode} peak {format_bytes(self.peak_bytes)} = baseline "
+                f"{format_bytes(self.baseline_bytes)} (parameters "
+                f"{format_bytes(self.params_bytes)}, buffers {format_bytes(self.buffers_bytes)}, "
+                f"inputs {format_bytes(self.inputs_bytes)}) + step "
+                f"{format_bytes(self.step_peak_bytes)} ({split})")
+
+    def __str__(self) -> str:
+        return self.format()
+
 
 @dataclass(frozen=True)
 class MemoryReport:
+    """What ``measure`` returns: the training-step figure and the inference figure.
+    ``str(report)`` (or ``report.format()``) is a readable summary; the fields hold bytes."""
+
     train: MemoryFigure
     inference: MemoryFigure
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"train": self.train.as_dict(), "inference": self.inference.as_dict()}
+
+    def format(self) -> str:
+        """Three lines: where and how it was measured, then the training and inference peaks."""
+        return "\n".join([f"measured on {self.train.device} by {self.train.method}:",
+                          "  " + self.train.format(), "  " + self.inference.format()])
+
+    def __str__(self) -> str:
+        return self.format()
 
 
 def format_bytes(n: int) -> str:
@@ -101,7 +134,7 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str,
 
         if device.type == "cuda":
             step_peak = cuda_peak_during(run, device)
-            grads_at_peak, method = 0, "CUDA caching allocator"
+            grads_at_peak, method = 0, CUDA_METHOD
         else:
             tracker = LiveStorageTracker()
             with tracker:
@@ -132,6 +165,25 @@ def measure_inference(module: nn.Module, example_inputs: Any,
 
 def measure(module: nn.Module, example_inputs: Any,
             example_kwargs: dict[str, Any] | None = None) -> MemoryReport:
-    """Both measured peaks; ``example_kwargs`` are bound as ``fxopt.optimize`` binds them."""
+    """Measure the peak memory of one training step and of one inference forward of ``module``.
+
+    ``example_inputs`` are forward's positional arguments (a tensor or a tuple), and
+    ``example_kwargs`` its keyword ones, bound by name as ``fxopt.optimize`` binds them. The model
+    runs for real, on the device its parameters and inputs are on: on CPU every tensor storage
+    alive is counted (exact), on CUDA the caching allocator's peak is read.
+
+    Returns a ``MemoryReport`` with ``.train`` and ``.inference`` (``MemoryFigure``): figures in
+    bytes (``peak_bytes`` is the whole step, parameters, buffers and inputs included;
+    ``step_peak_bytes`` what the step added), and ``print(report)`` for a readable summary in
+    KiB/MiB/GiB. The module's grads, buffers, training flags and the RNG are as before afterwards.
+
+    Not handled: models on the meta device (an ``InputError``), several devices at once.
+
+    Example::
+
+        report = fxopt.measure(model, torch.randn(8, 3, 224, 224))
+        print(report)              # "train peak 1.2 GiB = baseline ... + step ...", in MiB/GiB
+        report.train.peak_bytes    # the same figure in bytes (an int)
+    """
     return MemoryReport(measure_train_step(module, example_inputs, example_kwargs),
                         measure_inference(module, example_inputs, example_kwargs))
