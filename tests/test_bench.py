@@ -1,10 +1,13 @@
 """fxopt.measure.allocations, fxopt.bench.peers and fxopt.bench: peers built faithfully, measured honestly."""
 
+import pytest
 import torch
 from torch import nn
 
 from fxopt.bench.peers import build_peer, single_value_cuts
+from fxopt.bench.before_after import PEAK_DEFINITION, BeforeAfter
 from fxopt.bench.runs import bench, format_table, step_peak_bytes
+from fxopt.bench.spread import StepTimes, TimeChange
 from fxopt.capture.trace import trace
 from fxopt.measure.allocations import peak_allocated_during
 from fxopt.measure.peaks import measure_train_step
@@ -65,6 +68,7 @@ def test_bench_rows_original_first_fxopt_equal_and_step_peak_measured():
     assert [r.name for r in rows] == ["original", "fxopt", "checkpoint_sequential"]
     original, ours, peer = rows
     assert original.memory_ratio == 1.0 and original.step_seconds > 0
+    assert original.time_ratio == 1.0 and original.time_within_noise is None
     assert ours.equivalent is True and ours.train_peak_bytes < original.train_peak_bytes
     assert peer.equivalent is False and "buffer" in peer.note
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -99,3 +103,70 @@ def test_compiled_peers_leave_the_users_compiled_code_alone():
         peer(x).sum().backward()
     users_function(torch.randn(3))
     assert len(user_compiles) == 1  # torch._dynamo.reset() would make it 2
+
+
+def test_a_change_smaller_than_the_spread_is_flagged_within_noise():
+    quiet = StepTimes((0.100, 0.101, 0.102, 0.101, 0.100))
+    slower = StepTimes((0.150, 0.151, 0.152, 0.150, 0.151))
+    assert (quiet.fastest, quiet.median, quiet.slowest) == (0.100, 0.101, 0.102)
+    real = TimeChange(quiet, slower)
+    assert real.change == pytest.approx(0.495, abs=1e-3) and not real.within_noise
+    assert real.percent() == "+49.5%" and real.noise_line() == ""
+    # the +691% of a busy machine: two bursts among five samples of each model
+    busy = TimeChange(StepTimes((0.30, 0.31, 0.30, 2.40, 2.00)),
+                      StepTimes((0.35, 2.50, 2.60, 0.36, 2.40)))
+    assert busy.change > 5 and busy.within_noise and busy.percent().endswith("%?")
+    assert "within this run's noise" in busy.noise_line()
+    # hundreds of millisecond steps: one outlier does not make a threefold slowdown noise
+    steady = [0.0010 + 0.00001 * (i % 7) for i in range(200)]
+    outlier = StepTimes(tuple(steady[:-1] + [0.0100]))
+    assert not TimeChange(outlier, StepTimes(tuple(3 * t for t in steady))).within_noise
+    assert TimeChange(outlier, StepTimes(tuple(t * 1.001 for t in steady))).within_noise
+
+
+def test_the_optimize_table_shows_the_spread_and_flags_noise():
+    from fxopt.measure.compare import Comparison, Figures
+
+    figures = Figures(2**20, 2**20, 2**19, 2**19, 0.101)
+    comparison = Comparison(figures, figures, "cpu", "live-storage tracking (exact)", 5)
+    busy = TimeChange(StepTimes((0.30, 0.31, 0.30, 2.40, 2.00)),
+                      StepTimes((0.35, 2.50, 2.60, 0.36, 2.40)))
+    text = str(BeforeAfter(comparison, busy, threads=1))
+    assert "train step, fastest of 5" in text and "train step, slowest of 5" in text
+    assert "+674.2%?" in text and "within this run's noise" in text
+    assert PEAK_DEFINITION in text and "1 torch thread;" in text
+    quiet = TimeChange(StepTimes((0.100, 0.101, 0.102)), StepTimes((0.150, 0.151, 0.152)))
+    text = str(BeforeAfter(comparison, quiet, threads=2))
+    assert "+49.5%" in text and "?" not in text and "noise" not in text
+
+
+def test_bench_ratios_agree_with_the_figures_printed_beside_them():
+    model, x = conv_bn_chain(), torch.randn(4, 3, 16, 16)
+    rows = bench(model, (x,), memory_budget=0.8, peers=("checkpoint_sequential",), repeats=3)
+    original = rows[0]
+    for row in rows:
+        assert row.time_ratio == row.step_seconds / original.step_seconds  # one timing run
+        assert row.memory_ratio == row.train_peak_bytes / original.train_peak_bytes
+        assert row.step_fastest_seconds <= row.step_seconds <= row.step_slowest_seconds
+        assert row.step_samples == original.step_samples >= 3
+    table = format_table(rows, "cpu")
+    printed = {}
+    for line in table.splitlines()[1:len(rows) + 1]:
+        name, _peak, unit, mem, times, ratio = line.split()[:6]
+        printed[name] = (float(mem), float(times.split("/")[1]), float(ratio.rstrip("?")))
+    for name, (_, median, ratio) in printed.items():
+        assert ratio == pytest.approx(median / printed["original"][1], abs=0.011), name
+    assert f"train peak: {PEAK_DEFINITION}" in table
+
+
+def test_bench_train_peak_includes_parameters_as_optimize_does():
+    """One definition of the training peak: the whole step, the baseline of parameters, buffers
+    and inputs included, in ``fxopt bench`` as in ``fxopt optimize`` (``fxopt.measure``)."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8))  # 1 MiB of weights
+    x = torch.randn(4, 512)
+    rows = bench(model, (x,), peers=(), repeats=1)
+    measured = measure_train_step(model, (x,))
+    original = rows[0]
+    assert original.baseline_bytes == measured.baseline_bytes > 2**20
+    # allocator level sees a few kilobytes of kernel scratch more than storage tracking
+    assert 0 <= original.train_peak_bytes - measured.peak_bytes < 64 * 2**10

@@ -5,18 +5,22 @@ optimized module, and each peer of ``fxopt.bench.peers`` at the same budget -- a
 
 - checks it against the original with ``fxopt.verify`` (outputs, gradients, buffers): a peer that
   updates BatchNorm statistics twice or replays dropout differently is reported, not hidden;
-- measures the peak of one training step with ``fxopt.measure.allocations`` (allocator level: the one
-  method that also sees inside compiled graphs), above the baseline of parameters and inputs;
-- times training steps (forward + backward, grads cleared first) *alternating* with the original,
-  so ``time_ratio`` compares medians taken side by side in the same stretch of machine noise.
+- measures the peak of one training step with ``fxopt.measure.allocations`` (allocator level: the
+  one method that also sees inside compiled graphs). ``train_peak_bytes`` is the whole step:
+  the baseline of parameters, buffers and inputs plus the step's peak above it
+  (``PEAK_DEFINITION``, as ``fxopt optimize`` reports its peaks);
+- times training steps of *all* variants in one run, the order rotating each round
+  (``fxopt.bench.spread``), so every median sees the same stretch of machine noise and every
+  ``time_ratio`` is the row's median over the original row's median, as printed.
 
-All of it runs on the user's Parameter objects under ``preserved_state``: grads, BatchNorm
-statistics, training flags and the RNG are as before afterwards.
+A time ratio whose spread (slowest - fastest over median, of either row) exceeds its distance
+from 1 is flagged ``time_within_noise``. All of it runs on the user's Parameter objects under
+``preserved_state``: grads, BatchNorm statistics, training flags and the RNG are as before
+afterwards.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -25,14 +29,16 @@ import torch
 from torch import nn
 
 from fxopt.api import optimize
+from fxopt.bench.before_after import PEAK_DEFINITION, format_ms
 from fxopt.bench.peers import PEERS, build_peer
+from fxopt.bench.spread import StepTimes, TimeChange, alternated_step_times
 from fxopt.core.errors import FxoptError
 from fxopt.core.state import preserved_state
 from fxopt.core.step import as_args, training_step
-from fxopt.core.tensors import module_device
+from fxopt.core.tensors import module_device, storage_bytes
 from fxopt.measure.allocations import peak_allocated_during
 from fxopt.measure.peaks import format_bytes
-from fxopt.measure.timing import fresh_training_step, timed_against
+from fxopt.measure.timing import fresh_training_step
 from fxopt.planning.budget import (
     activation_bytes,
     budget_fraction,
@@ -47,19 +53,25 @@ DEFAULT_PEERS = ("checkpoint_sequential", "torch_compile_min_cut")
 @dataclass(frozen=True)
 class BenchRow:
     name: str                       # "original", "fxopt", or a peer's name
-    train_peak_bytes: int | None    # above the baseline; None when the variant is unavailable
+    train_peak_bytes: int | None    # whole step (PEAK_DEFINITION); None: variant unavailable
     step_seconds: float | None      # median training-step time
     memory_ratio: float | None      # train_peak_bytes / original's
-    time_ratio: float | None        # step_seconds / original's, timed alternately
+    time_ratio: float | None        # step_seconds / original's step_seconds (same run)
     equivalent: bool | None         # verified equal to the original (None: not checked)
     note: str                       # what it is, why unavailable, what differs
+    baseline_bytes: int | None = None       # parameters, buffers and inputs (in the peak)
+    step_fastest_seconds: float | None = None
+    step_slowest_seconds: float | None = None
+    step_samples: int | None = None
+    time_within_noise: bool | None = None   # the spread exceeds |time_ratio - 1|
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def step_peak_bytes(module: nn.Module, inputs: tuple) -> int:
-    """Allocator-level peak of one training step above what was allocated before it."""
+    """Allocator-level peak of one training step above what was allocated before it (parameters,
+    buffers and inputs are not in it: ``train_peak_bytes`` adds them)."""
     device = module_device(module, inputs)
     with preserved_state(module):
         module.train()
@@ -67,6 +79,17 @@ def step_peak_bytes(module: nn.Module, inputs: tuple) -> int:
         for p in module.parameters():
             p.grad = None
         return peak_allocated_during(lambda: training_step(module, inputs), device)
+
+
+def baseline_bytes(module: nn.Module, inputs: tuple) -> int:
+    """Parameters, buffers and inputs, each storage once: what is alive before a step."""
+    return storage_bytes((list(module.parameters()), list(module.buffers()), inputs))
+
+
+def train_peak_bytes(module: nn.Module, inputs: tuple) -> tuple[int, int]:
+    """``(whole-step peak, baseline)``: the step's allocator-level peak plus the baseline."""
+    baseline = baseline_bytes(module, inputs)
+    return baseline + step_peak_bytes(module, inputs), baseline
 
 
 def _equivalence(model: nn.Module, variant: nn.Module, inputs: tuple) -> tuple[bool, str]:
@@ -93,6 +116,31 @@ def _peer_fraction(model: nn.Module, inputs: tuple, memory_budget: Any) -> float
     return budget_fraction(memory_budget, peak=estimate.train_bytes, activations=activations)
 
 
+@dataclass
+class _Variant:
+    name: str
+    module: nn.Module | None
+    note: str
+    equivalent: bool | None = None
+    peak: int | None = None
+    baseline: int | None = None
+
+
+def _row(variant: _Variant, original: _Variant, times: StepTimes | None,
+         original_times: StepTimes | None) -> BenchRow:
+    if variant.module is None or variant.peak is None:
+        return BenchRow(variant.name, None, None, None, None, None, variant.note)
+    memory_ratio = variant.peak / original.peak if original.peak else None
+    if times is None or original_times is None:
+        return BenchRow(variant.name, variant.peak, None, memory_ratio, None, variant.equivalent,
+                        variant.note, variant.baseline)
+    change = TimeChange(original_times, times)
+    return BenchRow(variant.name, variant.peak, times.median, memory_ratio, change.ratio,
+                    variant.equivalent, variant.note, variant.baseline, times.fastest,
+                    times.slowest, len(times.samples),
+                    None if variant is original else change.within_noise)
+
+
 def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_budget: Any = None,
           peers: tuple[str, ...] = DEFAULT_PEERS, repeats: int = 5,
           progress: Progress | None = None, capture: str = "auto") -> list[BenchRow]:
@@ -103,7 +151,7 @@ def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_b
     if unknown:
         from fxopt.core.errors import ConfigError
         raise ConfigError(f"unknown peer(s) {unknown}", hint=f"known peers: {', '.join(PEERS)}")
-    total, done = 2 + len(peers), 0
+    total, done = 3 + len(peers), 0
 
     def tick(label: str) -> None:
         nonlocal done
@@ -111,8 +159,8 @@ def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_b
         if progress:
             progress(done, total, label)
 
-    original_peak = step_peak_bytes(model, inputs)
-    rows = [BenchRow("original", original_peak, None, 1.0, 1.0, True, "the model as given")]
+    original = _Variant("original", model, "the model as given", True)
+    original.peak, original.baseline = train_peak_bytes(model, inputs)
     tick("original")
     fraction = _peer_fraction(model, inputs, memory_budget)
     builders: list[tuple[str, Callable[[], tuple[nn.Module | None, str]]]] = [
@@ -122,41 +170,59 @@ def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_b
                            f"capture={capture}")),
         *((name, lambda name=name: build_peer(name, model, inputs, fraction)) for name in peers),
     ]
-    original_times = []
+    variants = [original]
     for name, build in builders:
-        try:
-            variant, note = build()
-        except FxoptError as error:
-            variant, note = None, str(error).splitlines()[0]
-        if variant is None:
-            rows.append(BenchRow(name, None, None, None, None, None, note))
-            tick(name)
-            continue
-        equal, why = (True, "") if name == "fxopt" else _equivalence(model, variant, inputs)
-        peak = step_peak_bytes(variant, inputs)
-        seconds, original_seconds = timed_against(model, variant, inputs, repeats)
-        original_times.append(original_seconds)
-        rows.append(BenchRow(name, peak, seconds, peak / original_peak if original_peak else None,
-                             seconds / original_seconds, equal, "; ".join(filter(None, [note, why]))))
+        variants.append(_built(name, build, model, inputs))
         tick(name)
-    if original_times:
-        rows[0] = BenchRow("original", original_peak, statistics.median(original_times), 1.0, 1.0,
-                           True, "the model as given")
-    return rows
+    timed = [v for v in variants if v.module is not None]
+    samples = dict(zip((v.name for v in timed),
+                       alternated_step_times([v.module for v in timed], inputs, repeats)))
+    tick("timing")
+    return [_row(v, original, samples.get(v.name), samples["original"]) for v in variants]
+
+
+def _built(name: str, build: Callable[[], tuple[nn.Module | None, str]], model: nn.Module,
+           inputs: tuple) -> _Variant:
+    """A variant built, checked against the original and its peak measured; ``module`` None
+    when it cannot be built for this model (``note`` says why)."""
+    try:
+        module, note = build()
+    except FxoptError as error:
+        module, note = None, str(error).splitlines()[0]
+    variant = _Variant(name, module, note)
+    if module is None:
+        return variant
+    equal, why = (True, "") if name == "fxopt" else _equivalence(model, module, inputs)
+    variant.equivalent, variant.note = equal, "; ".join(filter(None, [note, why]))
+    variant.peak, variant.baseline = train_peak_bytes(module, inputs)
+    return variant
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def format_table(rows: list[BenchRow], device: str | None = None) -> str:
-    """The rows as a text table, with the device and the measurement method named."""
-    lines = [f"{'variant':<24}{'train peak':>12}{'x orig':>8}{'step s':>9}{'x orig':>8}  "
-             f"{'equal':<6} note"]
+    """The rows as a text table, with the device, the peak's definition and the method named.
+    A time ratio within noise is marked ``?`` and explained under the table."""
+    lines = [f"{'variant':<24}{'train peak':>12}{'x orig':>8}"
+             f"{'step ms: fastest/median/slowest':>34}{'x orig':>8}  {'equal':<6} note"]
     for row in rows:
         peak = format_bytes(row.train_peak_bytes) if row.train_peak_bytes is not None else "n/a"
-        mem = f"{row.memory_ratio:.2f}" if row.memory_ratio is not None else "n/a"
-        sec = f"{row.step_seconds:.3f}" if row.step_seconds is not None else "n/a"
-        tim = f"{row.time_ratio:.2f}" if row.time_ratio is not None else "n/a"
+        times = "n/a" if row.step_seconds is None else "/".join(
+            "n/a" if s is None else format_ms(s).removesuffix(" ms")
+            for s in (row.step_fastest_seconds, row.step_seconds, row.step_slowest_seconds))
+        ratio = _cell(row.time_ratio, ".2f") + ("?" if row.time_within_noise else "")
         equal = {True: "yes", False: "NO", None: "-"}[row.equivalent]
-        lines.append(f"{row.name:<24}{peak:>12}{mem:>8}{sec:>9}{tim:>8}  {equal:<6} {row.note}")
+        lines.append(f"{row.name:<24}{peak:>12}{_cell(row.memory_ratio, '.2f'):>8}{times:>34}"
+                     f"{ratio:>8}  {equal:<6} {row.note}")
     where = device or ("cuda " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    lines.append(f"(device: {where}; train peak: allocator-level, above parameters and inputs; "
-                 "step time: median, alternated with the original)")
+    samples = next((r.step_samples for r in rows if r.step_samples), None)
+    lines.append(f"(device: {where}; train peak: {PEAK_DEFINITION}, allocator level;")
+    lines.append(f" step ms: {samples or 'n/a'} training steps of every variant, alternated in "
+                 "one run; x orig: the row's figure over the original's)")
+    if any(row.time_within_noise for row in rows):
+        lines.append("? within noise: the spread of that row's or the original's step times "
+                     "exceeds the change (fxopt.bench.spread);")
+        lines.append("  rerun on a quiet machine, with more --repeats or with --threads N")
     return "\n".join(lines)
