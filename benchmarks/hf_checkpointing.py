@@ -2,9 +2,11 @@
 
     python benchmarks/hf_checkpointing.py [--models gpt2,llama] [--layers 6] [--hidden 128]
         [--seq 256] [--batch 4] [--vocab 1000] [--budgets 0.8,0.6,0.4,0.3,0.2,min]
-        [--repeats 5] [--threads 1] [--peers / --no-peers] [--out FILE]
+        [--repeats 5] [--threads 1] [--peers / --no-peers] [--out FILE] [--device cpu | cuda]
 
-Small causal language models built from configs with random weights (no download):
+Small causal language models built from configs with random weights (no download), on
+``--device`` (default cpu; on cuda every peak is the caching allocator's, and the
+``torch_compile_min_cut`` peer compiles with Inductor):
 ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` with ``--layers`` layers of width ``--hidden``,
 4 heads (Llama: intermediate size 344, 4 key/value heads), ``use_cache=False``, the configs'
 default dropout (GPT-2: 0.1 on embeddings, attention and residuals; Llama: none), in train mode.
@@ -96,7 +98,7 @@ def build(name: str, args) -> nn.Module:
         model = transformers.LlamaForCausalLM(config)
     else:
         raise SystemExit(f"unknown model {name!r}: choose from gpt2, llama")
-    return model.train()
+    return model.to(args.device).train()
 
 
 class KeywordCall(nn.Module):
@@ -167,7 +169,7 @@ def dynamo_counts() -> tuple[int, int]:
 def run_model(name: str, args, out: Output, failures: list[str]) -> list[Row]:
     model = build(name, args)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq),
-                        generator=torch.Generator().manual_seed(SEED))
+                        generator=torch.Generator().manual_seed(SEED)).to(args.device)
     kw = {"input_ids": ids, "labels": ids}
     inputs = bind_keywords(model, (), kw)  # forward's positional arguments: one call for all rows
     exact = measure_train_step(model, (), example_kwargs=kw)
@@ -318,7 +320,7 @@ def verdict(name: str, rows: list[Row], out: Output) -> None:
             f", time x{low.time_x:.3f}")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama")
     parser.add_argument("--layers", type=int, default=6)
@@ -334,17 +336,26 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", help="also write the table to this file")
-    args = parser.parse_args()
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    args.device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     out = Output(args.out)
     out(f"# benchmarks/hf_checkpointing.py -- {datetime.date.today().isoformat()}; device: "
-        f"{device_name(torch.device('cpu'))}; torch {torch.__version__}; transformers "
+        f"{device_name(args.device)}; torch {torch.__version__}; transformers "
         f"{transformers.__version__}; torch threads {torch.get_num_threads()} of "
         f"{os.cpu_count()} cores")
     out(f"# command: {shlex.join([sys.executable, *sys.argv])}")
     out("# peak MiB: whole training step (params + buffers + inputs + grads + activations), "
-        "allocator level (torch.profiler allocation events, fxopt.bench.runs.step_peak_bytes) "
+        "allocator level ("
+        + ("the CUDA caching allocator" if args.device.type == "cuda"
+           else "torch.profiler allocation events")
+        + ", fxopt.bench.runs.step_peak_bytes) "
         "for every row; exact MiB: fxopt.measure_train_step (live-storage tracking, eager rows "
         "only); time x: median of --repeats samples vs the original, alternated, spread min-max")
     failures: list[str] = []

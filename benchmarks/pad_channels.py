@@ -1,7 +1,7 @@
 """Channel padding: training-step time padded vs unpadded, side by side in one run.
 
     python benchmarks/pad_channels.py [--repeats 20] [--models odd_channel_cnn,transformer_lm]
-                                      [--out FILE]
+                                      [--out FILE] [--device cpu | cuda]
 
 On CUDA: ``odd_channel_cnn`` (batch 256, 3x32x32; channels 30/60/100) and ``transformer_lm``
 (batch 16, 256 tokens; dim 100, 5 heads, vocab 50257) in float16 and bfloat16. For each, the
@@ -13,7 +13,8 @@ On CPU: the default policy leaves each model unpadded (the pass's reason is prin
 forced padding's cost in float32 is timed the same way (smaller batches).
 
 Every padded model is verified against the original first (``fxopt.optimize(verify=True)``).
-Prints only; ``--out FILE`` also writes the table to FILE.
+Prints only; ``--out FILE`` also writes the table to FILE. ``--device`` defaults to CUDA when a
+GPU is available, else the CPU.
 """
 
 from __future__ import annotations
@@ -82,14 +83,22 @@ def compare(out: list[str], name: str, dtype: torch.dtype, device: torch.device,
                  f"{variant_s * 1e3:>10.3f}{variant_s / original_s:>8.3f}  {summary}")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--models", default="odd_channel_cnn,transformer_lm")
     parser.add_argument("--out", default=None, help="also write the table to this file")
-    args = parser.parse_args()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+    parser.add_argument("--device", default=None,
+                        help="cpu or cuda (default: cuda when available, else cpu)")
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     out: list[str] = []
     row(out, f"channel padding, training step; device: {device_name(device)}; torch "
              f"{torch.__version__}; {datetime.date.today().isoformat()}; "
