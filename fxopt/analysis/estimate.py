@@ -11,7 +11,10 @@ GraphModule's generated code is executed, FX's rule of dropping each value after
 followed as is.
 
 Both figures count every live storage: parameters, buffers and inputs (``baseline_bytes``) plus
-what the step allocates. The real BatchNorm statistics, ``.grad``, training flags and the RNG are
+what the step allocates. Parameters whose optimizer step the user fused into backward
+(``fxopt.fuse_optimizer``) are stepped on the fakes too, with the optimizer's own kernels, and
+their gradients freed at the step (``fxopt.analysis.fused_gradients``); the optimizer's state is
+reported beside the peaks (``optimizer_state_bytes``), not in them. The real BatchNorm statistics, ``.grad``, training flags and the RNG are
 left untouched.
 
 Not handled: memory that kernels allocate internally without returning it as a tensor (invisible
@@ -28,14 +31,20 @@ off), all on fakes; it never runs out of memory on purpose.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.analysis.fused_gradients import (
+    OPTIMIZER_STEP,
+    FusedStepModel,
+    fused_steps_on_fakes,
+)
+from fxopt.analysis.memtrack import LiveStorageTracker, tag_live
 from fxopt.capture.fake_run import (
     on_fake_tensors,
     opaque_leaves_stood_in,
@@ -55,12 +64,16 @@ class TrainPeak:
     baseline_bytes: int          # parameters + buffers + inputs, alive throughout
     grad_bytes: int              # parameter gradients alive at the peak
     op: str                      # the op whose result made the peak
+    fused: FusedStepModel = FusedStepModel()  # the user's optimizer steps fused into backward
+    optimizer_step_bytes: int = 0  # temporaries of a fused optimizer step alive at the peak
 
     @property
     def activation_bytes(self) -> int:
-        """What checkpointing can act on: the peak minus the baseline and the parameter
-        gradients alive at that moment (saved activations, their gradients, temporaries)."""
-        return max(self.bytes - self.baseline_bytes - self.grad_bytes, 0)
+        """What checkpointing can act on: the peak minus the baseline, the parameter gradients
+        and a fused optimizer step's temporaries alive at that moment (what remains: saved
+        activations, their gradients, the backward's temporaries)."""
+        return max(self.bytes - self.baseline_bytes - self.grad_bytes
+                   - self.optimizer_step_bytes, 0)
 
 
 @dataclass(frozen=True)
@@ -73,18 +86,28 @@ class PeakEstimate:
     train_peak_op: str           # the op whose result made the training peak
     inference_peak_op: str
     train_grad_bytes: int = 0    # parameter gradients alive at the training peak
+    optimizer_state_bytes: int = 0  # state of the optimizers fused into backward (not in peaks)
+    fused_parameters: int = 0    # parameters whose gradient is freed at their step in backward
+    train_optimizer_step_bytes: int = 0  # a fused step's temporaries alive at the training peak
 
     @property
     def activation_bytes(self) -> int:
-        """The training peak minus the baseline and the gradients alive at it (``TrainPeak``)."""
-        return max(self.train_bytes - self.baseline_bytes - self.train_grad_bytes, 0)
+        """The training peak minus the baseline, and the gradients and fused optimizer step
+        temporaries alive at it (``TrainPeak``)."""
+        return max(self.train_bytes - self.baseline_bytes - self.train_grad_bytes
+                   - self.train_optimizer_step_bytes, 0)
 
 
 def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], None]
              ) -> TrainPeak:
     """The peak of ``step`` run on fakes under the tracker (``grad_bytes``: the parameter
-    gradients the step left that were alive at the peak; 0 for a step without backward)."""
-    with opaque_leaves_stood_in(module), on_fake_tensors(module, example_inputs) as run:
+    gradients the step left that were alive at the peak; 0 for a step without backward).
+    Parameters the user's fused optimizers step in backward are stepped there on the fakes too
+    (``fxopt.analysis.fused_gradients``)."""
+    real = dict(module.named_parameters(remove_duplicate=False))
+    with opaque_leaves_stood_in(module), on_fake_tensors(module, example_inputs) as run, \
+            gradients_tagged(run.state.values()), \
+            fused_steps_on_fakes(module, real, run.state) as fused:
         for t in run.state.values():
             t.grad = None
         tracker = LiveStorageTracker()
@@ -99,9 +122,26 @@ def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, 
                 hint="trace the model with fxopt.trace() first: parts that read tensor values "
                      "become leaf modules, which the estimate stands in for") from error
         baseline = storage_bytes((list(run.state.values()), run.inputs))
-        grads = tracker.bytes_at_peak([t.grad for t in run.state.values()
-                                       if t.is_leaf and t.grad is not None])
-        return TrainPeak(baseline + tracker.peak_bytes, baseline, grads, tracker.peak_op)
+        tagged = tracker.tagged_bytes_at_peak
+        return TrainPeak(baseline + tracker.peak_bytes, baseline, tagged.get(GRADIENT, 0),
+                         tracker.peak_op, fused, tagged.get(OPTIMIZER_STEP, 0))
+
+
+GRADIENT = "parameter gradient"  # the tracker's tag for an accumulated ``.grad``
+
+
+@contextlib.contextmanager
+def gradients_tagged(state: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Inside, each parameter's ``.grad`` is tagged ``GRADIENT`` in the tracker once accumulated,
+    so the gradients alive at the peak are known even when a fused optimizer step frees them
+    before the run ends (enter this before ``fused_steps_on_fakes``: hooks run in order)."""
+    handles = [t.register_post_accumulate_grad_hook(lambda p: tag_live(p.grad, GRADIENT))
+               for t in {id(t): t for t in state}.values() if t.is_leaf and t.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _inference(module: nn.Module, inputs: tuple) -> None:
@@ -129,7 +169,8 @@ def estimate_peak(module: nn.Module, example_inputs: Any) -> PeakEstimate:
     train = estimate_train_peak(module, example_inputs)
     inference = _tracked(module, example_inputs, _inference)
     return PeakEstimate(train.bytes, inference.bytes, train.baseline_bytes, train.op,
-                        inference.op, train.grad_bytes)
+                        inference.op, train.grad_bytes, train.fused.optimizer_state_bytes,
+                        train.fused.parameters, train.optimizer_step_bytes)
 
 
 def resized_inputs(example_inputs: Any, batch: int, batch_dim: int = 0) -> tuple:

@@ -30,6 +30,8 @@ nothing. ``fxopt.measure`` adds the pre-existing storages as the baseline.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,33 @@ from fxopt.core.torch_private import TorchDispatchMode
 class _Live:
     ref: StorageWeakRef
     nbytes: int
+    tag: str | None = None
+
+
+_TAG: list[str | None] = [None]  # what storages allocated now are counted as (see ``tagged``)
+_ACTIVE: list[LiveStorageTracker] = []
+
+
+@contextlib.contextmanager
+def tagged(tag: str) -> Iterator[None]:
+    """Storages allocated inside are tagged ``tag`` by every tracker (``tagged_bytes_at_peak``):
+    e.g. the temporaries of an optimizer step run inside backward."""
+    previous, _TAG[0] = _TAG[0], tag
+    try:
+        yield
+    finally:
+        _TAG[0] = previous
+
+
+def tag_live(tensors: Any, tag: str) -> None:
+    """Tag the storages of ``tensors`` that active trackers count (e.g. a gradient, once
+    accumulated, as a gradient): a peak they are part of, before or after, shows them under
+    ``tag``."""
+    for tracker in _ACTIVE:
+        for t in tensors_in(tensors):
+            live = tracker._live.get(storage_key(t))
+            if live is not None and not live.ref.expired():
+                live.tag = tag
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -62,6 +91,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self._live: dict[int, _Live] = {}
         self._at_peak: dict[int, StorageWeakRef] = {}
         self._known: set[int] = set()
+        self._live_at_peak: list[_Live] = []
 
     def ignore(self, tensors: Any) -> None:
         """Treat these tensors' storages as pre-existing (never counted)."""
@@ -86,7 +116,7 @@ class LiveStorageTracker(TorchDispatchMode):
                 return
             self.current_bytes -= self._live.pop(key).nbytes  # address reused after a free
         nbytes = allocated_bytes(t)
-        self._live[key] = _Live(StorageWeakRef(t.untyped_storage()), nbytes)
+        self._live[key] = _Live(StorageWeakRef(t.untyped_storage()), nbytes, _TAG[0])
         self.current_bytes += nbytes
         if self.current_bytes > self.peak_bytes:  # an upper bound until collected: make it exact
             self._collect_freed()
@@ -94,6 +124,7 @@ class LiveStorageTracker(TorchDispatchMode):
             self.peak_bytes = self.current_bytes
             self.peak_op = op
             self._at_peak = {key: live.ref for key, live in self._live.items()}
+            self._live_at_peak = list(self._live.values())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.record_timeline:
@@ -109,6 +140,19 @@ class LiveStorageTracker(TorchDispatchMode):
             self._collect_freed()
             self.timeline.append((name, self.current_bytes))
         return out
+
+    @property
+    def tagged_bytes_at_peak(self) -> dict[str, int]:
+        """Tag -> bytes of the storages with that tag (``tagged``, ``tag_live``) at the peak."""
+        found: dict[str, int] = {}
+        for live in self._live_at_peak:
+            if live.tag is not None:
+                found[live.tag] = found.get(live.tag, 0) + live.nbytes
+        return found
+
+    def __enter__(self) -> LiveStorageTracker:
+        _ACTIVE.append(self)
+        return super().__enter__()
 
     def bytes_at_peak(self, tensors: Any) -> int:
         """Of the storages live at the peak, the bytes of those belonging to ``tensors``.
@@ -126,5 +170,6 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> Any:
         result = super().__exit__(*exc)
+        _ACTIVE.remove(self)
         self._collect_freed()
         return result

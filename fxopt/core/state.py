@@ -6,6 +6,11 @@ parameter and buffer *objects* each module holds (a forward that does ``self.cou
 1`` replaces its buffer: the original object is put back), each module's ``training`` flag, and
 the CPU and CUDA RNG states. It is what lets ``verify`` and
 ``measure`` run real training steps on the user's own Parameter objects.
+
+Parameter *values* are not snapshotted (a copy of the model's weights would double its memory):
+nothing inside may update them. Optimizers the user fused into backward
+(``fxopt.fuse_optimizer``) would, so they are ``paused()`` inside: fxopt's own training steps
+accumulate gradients as an unfused model does, and nothing is stepped.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from torch import nn
 
 from fxopt.core.modules import own_tensors, restore_own_tensors
+from fxopt.runtime.fused_step import paused
 
 
 def _unique_tensors(modules: tuple[nn.Module, ...], kind: str) -> list[torch.Tensor]:
@@ -47,7 +53,7 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
     flags = [(m, m.training) for module in modules for m in module.modules()]
     held = [(m, own_tensors(m)) for module in modules for m in module.modules()]
     try:
-        with preserved_rng():
+        with preserved_rng(), paused():
             yield
     finally:
         for m, tensors in held:

@@ -166,7 +166,8 @@ def peaks_table(predicted_before: PeakEstimate | str | None, predicted_after: Pe
     if len(both) == 2:
         before, after = both
         rows += [("train peak, predicted", before.train_bytes, after.train_bytes),
-                 ("  activations at it, predicted", before.activation_bytes, after.activation_bytes)]
+                 ("  activations at it, predicted", before.activation_bytes, after.activation_bytes),
+                 ("  gradients at it, predicted", before.train_grad_bytes, after.train_grad_bytes)]
     if measured_before and measured_after:
         rows.append(("inference peak, measured", measured_before.inference.peak_bytes,
                      measured_after.inference.peak_bytes))
@@ -183,6 +184,15 @@ def peaks_table(predicted_before: PeakEstimate | str | None, predicted_after: Pe
         method = (f"measured on {measured_before.train.device} by {measured_before.train.method}; "
                   if measured_before else "")
         lines.append(f"  ({method}predicted on fake tensors; peaks include parameters, buffers "
-                     "and inputs;\n   activations: the peak minus those and the parameter "
-                     "gradients alive at it)")
+                     "and inputs;\n   activations: the peak minus those, the parameter "
+                     "gradients and a fused optimizer step's temporaries alive at it)")
+    fused = next((e for e in both if e.fused_parameters), None)
+    if fused is not None:
+        lines.append(f"  fused optimizer step: {fused.fused_parameters} parameters stepped in "
+                     "backward, each gradient freed at its step (predicted with the step's own "
+                     f"temporaries); optimizer state {format_bytes(fused.optimizer_state_bytes)}, "
+                     "alive throughout, not in the peaks"
+                     + ("; measured rows ran with the fused step paused (fxopt's runs never "
+                        "update parameters): fxopt.verify_fused_training(measure_memory=True) "
+                        "measures it" if measured_before else ""))
     return "\n".join(lines)

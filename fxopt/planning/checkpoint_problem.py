@@ -16,6 +16,7 @@ from fxopt.analysis.writes import overwritten_inputs
 from fxopt.capture.meta import placeholder_values
 from fxopt.core.tensors import allocated_bytes, tensor_bytes
 from fxopt.planning.solver import CheckpointProblem, NodeInfo
+from fxopt.runtime.fused_step import fused_parameters
 from fxopt.runtime.input_guard import guard_inputs
 from fxopt.runtime.regions import call_region
 
@@ -37,8 +38,10 @@ def representatives(gm: fx.GraphModule) -> dict[fx.Node, fx.Node | None]:
 
 
 def _first_use_grad_bytes(gm: fx.GraphModule, forward: list[fx.Node]) -> dict[fx.Node, int]:
-    """Bytes of trainable parameter gradients, charged to the first node that uses each."""
-    seen: set[int] = set()  # parameter ids
+    """Bytes of trainable parameter gradients, charged to the first node that uses each; none
+    for a parameter whose optimizer step is fused into backward (its gradient is freed at the
+    step, it does not pile up with the others)."""
+    seen: set[int] = {id(p) for p in fused_parameters(gm)}  # parameter ids
     charged: dict[fx.Node, int] = {}
     for node in forward:
         params = []

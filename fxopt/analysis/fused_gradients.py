@@ -1,0 +1,127 @@
+"""The optimizer step fused into backward, as a fake run sees it.
+
+When the user has fused an optimizer into backward (``fxopt.fuse_optimizer``), each gradient of
+the parameters it steps lives only from its accumulation to its parameter's step, and that step
+allocates its own temporaries (the default for-loop AdamW two tensors the size of the
+parameter, ``foreach=True`` one, ``fused=True`` none). A memory estimate that ignored it would
+count every gradient alive to the end of backward: the planner would checkpoint for a peak that
+is not there, and a budget below it would be refused.
+
+``fused_steps_on_fakes(module, real, fakes)`` makes a fake run behave the same way: for every
+``FusedOptimizer`` that frees gradients in backward (no DDP, no accumulation) and steps some of
+``module``'s parameters, it builds a shadow optimizer of the *same class and hyperparameters*
+over the fake parameters, creates its state before the step (the steady state of training, where
+Adam's moments already exist), and fuses it into the fake backward with the same bucket size.
+So the fake run allocates and frees exactly what the real fused step would, kernel for kernel, at
+no real cost. It yields ``FusedStepModel``: the optimizer state bytes (alive throughout, like the
+parameters: not part of the step's peak) and how many parameters are stepped in backward.
+
+Not handled: an optimizer class whose constructor cannot be called with its own param groups
+(a custom optimizer with required positional arguments): its gradients are still freed at the
+step, but its temporaries are not counted (``FusedStepModel.temporaries_modelled`` is False).
+What the shadow steps allocate is tagged ``OPTIMIZER_STEP`` in the tracker, so the estimate
+can tell the step's temporaries alive at the peak from activations. Gradients alive at the peak
+(``TrainPeak.grad_bytes``) are read after the run, so a fused gradient alive at the peak (at
+most ``bucket_bytes`` waiting for its bucket) counts as activation memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fxopt.analysis.memtrack import tagged
+from fxopt.core.errors import InputError
+from fxopt.core.tensors import storage_bytes
+from fxopt.runtime.fused_step import FusedOptimizer, live_fused_optimizers
+
+
+OPTIMIZER_STEP = "optimizer step"  # the tracker's tag for a fused step's temporaries
+
+
+@dataclass(frozen=True)
+class FusedStepModel:
+    """What the fake run modelled of the user's fused optimizers."""
+
+    parameters: int = 0               # parameters stepped (and their gradients freed) in backward
+    optimizer_state_bytes: int = 0    # their optimizer's state in the steady state of training
+    temporaries_modelled: bool = True  # every shadow optimizer could be built
+    optimizers: tuple[str, ...] = ()  # class names, e.g. ("AdamW",)
+
+
+def _shadow(optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.Tensor]
+            ) -> torch.optim.Optimizer | None:
+    """An optimizer of ``optimizer``'s class and hyperparameters over the fakes it covers."""
+    groups = []
+    for group in optimizer.param_groups:
+        params = [fake_of[id(p)] for p in group["params"] if id(p) in fake_of]
+        if params:
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": params})
+    if not groups:
+        return None
+    try:
+        return type(optimizer)(groups)
+    except Exception:  # a custom constructor with required arguments: free gradients only
+        return torch.optim.SGD(groups, lr=0.0)
+
+
+def _tag_steps(shadow: torch.optim.Optimizer) -> None:
+    """What ``shadow.step()`` allocates is tagged ``OPTIMIZER_STEP`` in the tracker: the step's
+    temporaries are neither activations nor gradients, and checkpointing cannot remove them."""
+    step = shadow.step
+
+    def tagged_step(*args: object, **kwargs: object) -> object:
+        with tagged(OPTIMIZER_STEP):
+            return step(*args, **kwargs)
+
+    shadow.step = tagged_step  # type: ignore[method-assign]
+
+
+def _create_state(shadow: torch.optim.Optimizer) -> None:
+    """One step from zero gradients, so the state exists before the tracked step (as in every
+    training step after the first)."""
+    params = [p for group in shadow.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    shadow.step()
+    for p in params:
+        p.grad = None
+
+
+@contextlib.contextmanager
+def fused_steps_on_fakes(module: nn.Module, real: dict[str, torch.Tensor],
+                         fakes: dict[str, torch.Tensor]) -> Iterator[FusedStepModel]:
+    """Inside (a fake run of ``module``, whose parameters ``real`` -- by qualified name, read
+    before the swap -- are ``fakes`` now): the parameters a fused optimizer steps in backward
+    are stepped and freed the same way."""
+    fake_of = {id(real[name]): fake for name, fake in fakes.items() if name in real}
+    shadows: list[FusedOptimizer] = []
+    state_bytes, count, modelled, names = 0, 0, True, []
+    try:
+        for fused in live_fused_optimizers():
+            if not fused.frees_gradients_in_backward:
+                continue
+            shadow = _shadow(fused.optimizer, fake_of)
+            if shadow is None:
+                continue
+            modelled &= type(shadow) is type(fused.optimizer)
+            _create_state(shadow)
+            _tag_steps(shadow)
+            state_bytes += storage_bytes([t for s in shadow.state.values() for t in s.values()
+                                          if isinstance(t, torch.Tensor)])
+            shadows.append(FusedOptimizer(shadow, module, bucket_bytes=fused.bucket_bytes,
+                                          clip_grad_value=fused.clip_grad_value,
+                                          max_grad_norm_per_parameter=(
+                                              fused.max_grad_norm_per_parameter),
+                                          error=InputError))
+            count += len(shadows[-1].parameters())
+            names.append(type(fused.optimizer).__name__)
+        yield FusedStepModel(count, state_bytes, modelled, tuple(names))
+    finally:
+        for shadow_fused in shadows:
+            shadow_fused.remove()

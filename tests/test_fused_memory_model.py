@@ -1,0 +1,134 @@
+"""The memory model knows about the optimizer step fused into backward (issue 15, item 3).
+
+- ``estimate_peak`` of a fused model equals a real fused training step measured on CPU, byte for
+  byte, for the for-loop, foreach and fused AdamW kernels (their temporaries differ); it tells
+  the gradients and the step's temporaries alive at the peak from activations.
+- The checkpoint planner plans with gradients freed: budgets a model cannot meet with every
+  gradient alive are met once its optimizer is fused (torchvision's resnet18 and vgg11_bn, the
+  two rows of the coverage sweep that raise BudgetError at 0.7).
+- ``max_batch_size`` sees it; the report shows the gradients at the peak and the optimizer state.
+- fxopt's own real runs (verify, measure, optimize) never step a fused optimizer: the user's
+  parameters and optimizer state are as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import fxopt
+from fxopt.analysis.estimate import estimate_peak, max_batch_size
+from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.core.errors import BudgetError
+from fxopt.core.step import training_step
+
+
+class WideMLP(nn.Module):
+    """Big weights, a tiny batch: the peak is late in backward, when every gradient is alive."""
+
+    def __init__(self, width: int = 256, depth: int = 6):
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(depth)
+                                      for m in (nn.Linear(width, width), nn.GELU())])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def seeded(build, *args):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return build(*args)
+
+
+@pytest.fixture
+def fusing():
+    """``fuse(model, **adamw_options)``; every fused optimizer is removed after the test."""
+    made = []
+
+    def fuse(model, **kwargs):
+        made.append(fxopt.fuse_optimizer(model, torch.optim.AdamW, lr=1e-3, **kwargs))
+        return made[-1]
+
+    yield fuse
+    for fused in made:
+        fused.remove()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"foreach": True}, {"fused": True}],
+                         ids=["for_loop", "foreach", "fused_kernel"])
+def test_the_estimate_equals_a_real_fused_step(kwargs, fusing):
+    model, x = seeded(WideMLP, 512), torch.randn(2, 512)
+    fused = fusing(model, **kwargs)
+    training_step(model, x)  # step 1 creates AdamW's moments: the tracked step is a later one
+    fused.step()
+    estimate = estimate_peak(model, x)
+    tracker = LiveStorageTracker()
+    with tracker:
+        training_step(model, x)
+        fused.step()
+    assert estimate.train_bytes - estimate.baseline_bytes == tracker.peak_bytes
+    assert estimate.fused_parameters == 12
+    assert estimate.optimizer_state_bytes == pytest.approx(
+        2 * sum(p.numel() * 4 for p in model.parameters()), rel=0.01)  # exp_avg, exp_avg_sq
+    # at most one 1 MiB weight's gradient is alive at the peak; the rest was freed at its step
+    assert estimate.train_grad_bytes <= 512 * 512 * 4 + 2**20
+    temporaries = {"foreach": 1, "fused": 0}.get(next(iter(kwargs), ""), 2)
+    assert estimate.train_optimizer_step_bytes == temporaries * 512 * 512 * 4
+
+
+def test_without_a_fused_optimizer_every_gradient_is_counted(fusing):
+    model, x = seeded(WideMLP, 512), torch.randn(2, 512)
+    plain = estimate_peak(model, x)
+    assert plain.train_grad_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert plain.fused_parameters == 0 and plain.train_optimizer_step_bytes == 0
+    fusing(model, fused=True)
+    assert estimate_peak(model, x).train_bytes < plain.train_bytes - 4 * 2**20
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vgg11_bn"])
+def test_a_budget_out_of_reach_with_every_gradient_alive_is_met_once_fused(name, fusing):
+    model = seeded(getattr(torchvision.models, name))
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(BudgetError):
+        fxopt.optimize(model, x, memory_budget=0.7, verify=False)
+    fused = fusing(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    slim = fxopt.optimize(model, x, memory_budget=0.7)  # verified
+    report = slim.fxopt_report
+    assert report.predicted_after.train_bytes < report.predicted_before.train_bytes
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert not fused.optimizer.state  # fxopt's runs stepped nothing
+
+
+def test_fxopts_own_runs_never_step_a_fused_optimizer(fusing):
+    model, x = seeded(WideMLP), torch.randn(2, 256)
+    fused = fusing(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    fxopt.measure(model, x)
+    slim = fxopt.optimize(model, x, measure_memory=True)
+    fxopt.verify(model, slim, x)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert not fused.optimizer.state and all(p.grad is None for p in model.parameters())
+    training_step(slim, x)  # the user's training still steps in backward, on either module
+    assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_max_batch_size_counts_gradients_freed_in_backward(fusing):
+    model, x = seeded(WideMLP, 512), torch.randn(2, 512)
+    budget = estimate_peak(model, torch.randn(64, 512)).train_bytes
+    plain = max_batch_size(model, x, budget)
+    fusing(model, fused=True)
+    assert max_batch_size(model, x, budget) > plain
+
+
+def test_the_report_shows_gradients_at_the_peak_and_the_optimizer_state(fusing):
+    model, x = seeded(WideMLP), torch.randn(2, 256)
+    plain = str(fxopt.optimize(model, x, verify=False).fxopt_report)
+    assert "gradients at it, predicted" in plain and "fused optimizer step" not in plain
+    fusing(model)
+    text = str(fxopt.optimize(model, x, verify=False).fxopt_report)
+    assert "fused optimizer step: 12 parameters stepped in backward" in text
+    assert "optimizer state 3.0 MiB" in text, text
