@@ -2,7 +2,7 @@
 
     python benchmarks/coverage.py [--models a,b] [--limit N] [--json OUT] [--resume]
                                   [--budget 0.6] [--size 128] [--timeout 900]
-                                  [--max-param-mib 1500]
+                                  [--max-param-mib 1500] [--fuse-optimizer adamw]
     python benchmarks/coverage.py --json OUT --markdown      # the results as a README table
 
 The candidates are every torchvision classification model, every segmentation model, and the
@@ -15,6 +15,12 @@ model runs a train-mode forward (checked on fake tensors, so the search costs no
 Nothing is skipped silently: a model whose parameters exceed ``--max-param-mib`` is listed as
 ``too large`` with its size, a model that outlives ``--timeout`` as ``timeout``, and a model that
 fails as the fxopt error it raised (or ``crash`` with the exception, which is an fxopt bug).
+
+``--fuse-optimizer adamw`` fuses ``torch.optim.AdamW(lr=1e-3)`` into backward
+(``fxopt.fuse_optimizer``) before optimizing, so the checkpoint pass plans with each gradient
+freed at its step. The measured peaks run with the fused step paused (fxopt's own runs never
+update parameters), so each row also gives the predicted training peak with the fused step,
+before and after.
 
 ``--json OUT`` writes every result as it arrives; with ``--resume`` the models already in OUT are
 not run again, so a long sweep can be done in chunks (``--limit``, ``--models``).
@@ -37,6 +43,7 @@ from typing import Any
 SIZES = (32, 64, 96, 128, 160, 224, 299)
 BATCH = 2
 MIB = 1024 * 1024
+FUSABLE = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}  # --fuse-optimizer: torch.optim class
 
 
 def candidates() -> list[str]:
@@ -89,7 +96,7 @@ def smallest_size(model: Any) -> int | None:
 
 
 def run_one(name: str, budget: str | None, max_param_mib: float,
-            size: int | None = None) -> dict[str, Any]:
+            size: int | None = None, fuse_optimizer: str = "") -> dict[str, Any]:
     """Optimize one model in this process; the result row as a dict."""
     import torch
 
@@ -111,6 +118,9 @@ def run_one(name: str, budget: str | None, max_param_mib: float,
         return row
     row["input"] = f"{BATCH}x3x{size}x{size}"
     x = torch.randn(BATCH, 3, size, size, generator=torch.Generator().manual_seed(0))
+    if fuse_optimizer:
+        row["fused"] = fuse_optimizer
+        fxopt.fuse_optimizer(model, getattr(torch.optim, FUSABLE[fuse_optimizer]), lr=1e-3)
     try:
         gm = fxopt.optimize(model, x, memory_budget=budget, verify=True, measure_memory=True)
     except fxopt.FxoptError as error:
@@ -130,6 +140,9 @@ def run_one(name: str, budget: str | None, max_param_mib: float,
             infer_before=report.memory_before.inference.peak_bytes,
             infer_after=report.memory_after.inference.peak_bytes,
         )
+        if fuse_optimizer:
+            row.update(predicted_before=report.predicted_before.train_bytes,
+                       predicted_after=report.predicted_after.train_bytes)
         row["trace"] = "leaves" if report.trace.leaves else "full"
         row["two_modes"] = report.trace.mode_dependent
         row["rounding"] = len(report.verification.rounding)
@@ -143,6 +156,8 @@ def run_in_subprocess(name: str, args: argparse.Namespace) -> dict[str, Any]:
         command += ["--budget", args.budget]
     if args.size:
         command += ["--size", str(args.size)]
+    if args.fuse_optimizer:
+        command += ["--fuse-optimizer", args.fuse_optimizer]
     started = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
@@ -183,6 +198,10 @@ def format_row(row: dict[str, Any]) -> str:
             f"{_saved(row.get('infer_before'), row.get('infer_after')):>7} "
             f"{row.get('seconds', 0):>6.1f}")
     notes = [row["detail"]] if row.get("detail") else []
+    if row.get("predicted_before"):
+        notes.append(f"fused {row['fused']}: predicted train peak with the fused step "
+                     f"{_mib(row['predicted_before'])} -> {_mib(row['predicted_after'])} MiB "
+                     "(the measured columns ran with it paused)")
     notes += [f"leaf: {leaf}" for leaf in row.get("leaves", [])]
     if row.get("rounding"):
         notes.append(f"{row['rounding']} float32 difference(s) shown to be rounding (equal in "
@@ -244,6 +263,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="skip models already in --json")
     parser.add_argument("--budget", default=None, help="memory_budget (enables checkpointing)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per model")
+    parser.add_argument("--fuse-optimizer", default="", choices=["", *FUSABLE],
+                        help="fuse this optimizer's step into backward before optimizing")
     parser.add_argument("--size", type=int, default=0,
                         help="input height and width for every model (default: the smallest "
                         "that runs); a budget needs activations large enough to save on")
@@ -255,7 +276,8 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.one:
-        print(json.dumps(run_one(args.one, args.budget, args.max_param_mib, args.size or None)))
+        print(json.dumps(run_one(args.one, args.budget, args.max_param_mib, args.size or None,
+                                 args.fuse_optimizer)))
         return
     if args.markdown:
         print(markdown(json.loads(Path(args.json).read_text())["rows"]))
@@ -278,7 +300,8 @@ def main() -> None:
     print(f"fxopt coverage sweep; {datetime.date.today().isoformat()}; device: CPU {cpu_name()}, "
           f"1 thread per model; torch {torch.__version__}; batch {BATCH}; "
           f"input {f'{args.size}x{args.size}' if args.size else 'smallest that runs'}; "
-          f"budget {args.budget or 'none (default pipeline)'}; {len(todo)} to run, "
+          f"budget {args.budget or 'none (default pipeline)'}"
+          f"{'; fused ' + args.fuse_optimizer if args.fuse_optimizer else ''}; {len(todo)} to run, "
           f"{len(done)} already done", flush=True)
     print(HEADER, flush=True)
     for row in rows:

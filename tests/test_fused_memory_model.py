@@ -127,8 +127,21 @@ def test_max_batch_size_counts_gradients_freed_in_backward(fusing):
 def test_the_report_shows_gradients_at_the_peak_and_the_optimizer_state(fusing):
     model, x = seeded(WideMLP), torch.randn(2, 256)
     plain = str(fxopt.optimize(model, x, verify=False).fxopt_report)
-    assert "gradients at it, predicted" in plain and "fused optimizer step" not in plain
+    assert "gradients at it, predicted" in plain and "fused optimizer step:" not in plain
     fusing(model)
     text = str(fxopt.optimize(model, x, verify=False).fxopt_report)
     assert "fused optimizer step: 12 parameters stepped in backward" in text
     assert "optimizer state 3.0 MiB" in text, text
+
+
+def test_the_cli_plans_and_reports_with_a_fused_optimizer(capsys):
+    from fxopt import cli
+    code = cli.main(["report", "zoo:mlp", "--fuse-optimizer", "AdamW", "--no-plot"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "with the optimizer step fused into backward" in out
+    assert "optimizer state (alive throughout, not in the peaks)" in out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["optimize", "zoo:mlp", "--fuse-optimizer", "adamx"])
+    assert exit_info.value.code == 2
+    assert "'adamx' is no torch.optim optimizer" in capsys.readouterr().err

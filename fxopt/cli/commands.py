@@ -91,6 +91,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _optimizer_class(text: str) -> type:
+    import torch
+    classes = {name.lower(): getattr(torch.optim, name) for name in dir(torch.optim)
+               if isinstance(getattr(torch.optim, name), type)
+               and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
+               and name != "Optimizer"}
+    if text.lower() not in classes:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no torch.optim optimizer; one of {', '.join(sorted(classes))}")
+    return classes[text.lower()]
+
+
 def _budget(text: str | None) -> int | float | str | None:
     if text is None:
         return None
@@ -147,6 +159,10 @@ def _common(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
                         help="how to capture the model: fx (symbolic tracing), export "
                              "(torch.export), or auto (fx when it captures the whole model, "
                              "else export, else fx with opaque leaves; the default)")
+    parser.add_argument("--fuse-optimizer", default=None, type=_optimizer_class, metavar="NAME",
+                        help="a torch.optim optimizer (adamw, sgd, ...) your training fuses into "
+                             "backward with fxopt.fuse_optimizer: memory is planned and "
+                             "predicted with each gradient freed at its step")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
 
 
@@ -207,10 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace, target: str | None = None) -> tuple[Any, tuple]:
     from fxopt.cli.targets import load_target
-    return load_target(target or args.target, input_shape=args.input_shape, dtype=args.dtype,
-                       weights=args.weights, inputs_file=args.inputs,
-                       input_specs=args.input_specs, int_range=args.int_range,
-                       device=args.device)
+    model, inputs = load_target(target or args.target, input_shape=args.input_shape,
+                                dtype=args.dtype, weights=args.weights, inputs_file=args.inputs,
+                                input_specs=args.input_specs, int_range=args.int_range,
+                                device=args.device)
+    if getattr(args, "fuse_optimizer", None) is not None:
+        from fxopt.verify.fused_training import fuse_optimizer
+        fuse_optimizer(model, args.fuse_optimizer, lr=1e-3)  # the plan does not depend on lr
+    return model, inputs
 
 
 _BARS: list[Any] = []  # progress bars to end cleanly when an error stops the work

@@ -7,7 +7,11 @@
 - asked of autograd (``fxopt.analysis.saved_for_backward`` on fake tensors): every tensor saved
   for backward, with the layer that computed it and the layers whose backward keeps it, largest
   first. Tensors autograd saves that are no graph value (BatchNorm's mean and inverse std, dropout
-  masks, max-pool indices) are listed as "internal" of the layer that saved them.
+  masks, max-pool indices) are listed as "internal" of the layer that saved them;
+- when the user fused an optimizer's step into backward (``fxopt.fuse_optimizer``): the peak
+  predicted with that step (gradients, the step's temporaries and activations at it) and the
+  optimizer's state. The measured figure runs with the fused step paused: fxopt's runs never
+  update the user's parameters.
 
 A layer is named by its module path and class (``layer1.0.conv1 (Conv2d)``); a function call
 at the model's own level by its node and the source line that made it (``relu:
@@ -23,11 +27,13 @@ from typing import Any
 from torch import fx, nn
 
 from fxopt.analysis import saved_for_backward
+from fxopt.analysis.estimate import PeakEstimate, estimate_peak
 from fxopt.capture.meta import placeholder_values
 from fxopt.capture.trace import trace
 from fxopt.core.tensors import storage_bytes, tensors_in
 from fxopt.measure.advice import user_source_line
 from fxopt.measure.peaks import MemoryFigure, format_bytes, measure_train_step
+from fxopt.runtime.fused_step import fused_parameters
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,13 @@ class Breakdown:
     train: MemoryFigure
     saved: list[SavedTensor] = field(default_factory=list)   # largest first, all of them
     saved_bytes: int = 0                                      # each storage counted once
+    fused: PeakEstimate | None = None  # predicted with the user's fused optimizer step
 
     def as_dict(self, top: int | None = None) -> dict[str, Any]:
         return {"model": self.model, "train": self.train.as_dict(),
                 "saved_bytes": self.saved_bytes,
-                "saved": [asdict(s) for s in self.saved[:top]]}
+                "saved": [asdict(s) for s in self.saved[:top]],
+                "fused_step_predicted": None if self.fused is None else asdict(self.fused)}
 
     def format(self, top: int = 8) -> str:
         f = self.train
@@ -62,6 +70,18 @@ class Breakdown:
                              ("gradients at the peak", f.grads_at_peak_bytes),
                              ("activations at the peak", f.activations_at_peak_bytes)):
             lines.append(f"    {label:<25}{format_bytes(value):>10}")
+        if self.fused is not None:
+            e = self.fused
+            lines.append(f"  with the optimizer step fused into backward ({e.fused_parameters} "
+                         "parameters; measured above with it paused), predicted on fake tensors:")
+            lines.append(f"  peak                       {format_bytes(e.train_bytes):>10}")
+            for label, value in (("params, buffers, inputs", e.baseline_bytes),
+                                 ("gradients at the peak", e.train_grad_bytes),
+                                 ("step's temporaries", e.train_optimizer_step_bytes),
+                                 ("activations at the peak", e.activation_bytes)):
+                lines.append(f"    {label:<25}{format_bytes(value):>10}")
+            lines.append(f"  optimizer state (alive throughout, not in the peaks) "
+                         f"{format_bytes(e.optimizer_state_bytes)}")
         lines.append(f"  saved for backward: {format_bytes(self.saved_bytes)} in "
                      f"{len(self.saved)} tensors; the largest:")
         for s in self.saved[:top]:
@@ -125,5 +145,6 @@ def memory_breakdown(model: nn.Module, example_inputs: Any, *,
     """Measured peak split by kind, and the tensors saved for backward (see the docstring)."""
     traced = gm if gm is not None else trace(model, example_inputs)
     saved, saved_bytes = saved_tensors(traced)
+    fused = estimate_peak(traced, placeholder_values(traced)) if fused_parameters(model) else None
     return Breakdown(type(model).__name__, measure_train_step(model, example_inputs), saved,
-                     saved_bytes)
+                     saved_bytes, fused)
