@@ -12,16 +12,23 @@ reports:
 - ``budget`` and ``measured``: the budget in bytes and the peak of one training step measured by
   ``fxopt.measure`` (exact storage tracking on CPU, the caching allocator on CUDA), both including
   parameters, buffers and inputs; ``over`` flags any overshoot (the target is zero);
-- ``act``: activation memory at the peak, allocator level (``fxopt.measure.allocations``, the method that
-  also measures compiled peers): the step's peak above its start minus parameter gradients;
-  ``act x``: the unoptimized act over this one (2.5 means 2.5x less);
+- ``peak``: the whole training-step peak, allocator level (``fxopt.bench.runs.train_peak_bytes``:
+  parameters, buffers, inputs, live gradients and activations; the method that also measures
+  compiled peers): the figure an out-of-memory error depends on; ``peak x``: the unoptimized
+  peak over this one;
+- ``act``: activation memory at the peak, exact (``fxopt.measure_train_step``'s live-storage
+  tracking on CPU): the live bytes at the peak minus parameters, buffers, inputs and the
+  gradients alive at that moment -- not all gradients, since the peak usually comes early in
+  backward with few alive; ``act x``: the unoptimized act over this one. "-" where it cannot be
+  had: torch.compile's peers (their steps do not run op by op in eager) and CUDA (the allocator
+  does not tell gradients from activations);
 - ``time x``: median step time over the original's, timed alternately in the same run;
 - ``equal``: verified against the original (outputs, gradients, BatchNorm buffers).
 
 Peers at the same fractions: ``torch.compile`` with the min-cut partitioner under
 ``activation_memory_budget``, and ``checkpoint_sequential`` with sqrt(n) segments (one point: it
-has no budget). A peer point is *dominated* when some fxopt point has no more act and no more
-time. ``--predict-only`` prints only fxopt's plans and predicted peaks (no training steps).
+has no budget). A peer point is *dominated* when some fxopt point has no higher whole-step
+peak and no more time. ``--predict-only`` prints only fxopt's plans and predicted peaks (no training steps).
 """
 
 from __future__ import annotations
@@ -39,16 +46,12 @@ from fxopt.analysis import estimate_peak
 from fxopt.api import optimize
 from fxopt.bench.environment import device_name
 from fxopt.bench.peers import build_peer
-from fxopt.bench.runs import step_peak_bytes
+from fxopt.bench.runs import train_peak_bytes
 from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError
-from fxopt.measure.peaks import measure_train_step
+from fxopt.measure.peaks import CUDA_METHOD, measure_train_step
 from fxopt.measure.timing import timed_against
-from fxopt.planning.budget import (
-    activation_bytes,
-    budget_fraction,
-    trainable_grad_bytes,
-)
+from fxopt.planning.budget import budget_fraction
 from fxopt.verify.equivalence import verify
 
 # Inputs where activations, not weights, dominate a training step, yet a CPU step stays seconds.
@@ -76,7 +79,8 @@ class Point:
     fraction: str
     budget_bytes: int | None
     measured_bytes: int | None
-    act_bytes: int
+    peak_bytes: int | None      # whole training-step peak, allocator level
+    act_bytes: int | None       # exact activations at the peak (eager CPU runs only)
     time_ratio: float
     equal: bool
     note: str
@@ -98,30 +102,41 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
     example = models_zoo.get(name).example_inputs(1)[0]
     inputs = (torch.randn(shape, generator=gen).to(device=device, dtype=example.dtype),)
     estimate = estimate_peak(trace(model, inputs), inputs)
-    grads = trainable_grad_bytes(model)
-    activations = activation_bytes(estimate.train_bytes, estimate.baseline_bytes, grads)
+    activations = estimate.activation_bytes  # what the budget fraction is a fraction of
     print(f"\n## {name}, input {'x'.join(map(str, shape))}: unoptimized peak "
           f"{estimate.train_bytes / MiB:.1f} MiB = baseline {estimate.baseline_bytes / MiB:.1f} "
-          f"+ parameter grads {grads / MiB:.1f} + activations {activations / MiB:.1f} (predicted)",
+          f"+ gradients at the peak {estimate.train_grad_bytes / MiB:.1f} + activations "
+          f"{activations / MiB:.1f} (predicted)",
           flush=True)
     header = (f"{'method':<24}{'budget':>7}{'budget MiB':>11}{'measured':>10}{'over':>6}"
-              f"{'act MiB':>9}{'act x':>7}{'time x':>8}  {'equal':<6}note")
+              f"{'peak MiB':>10}{'peak x':>7}{'act MiB':>9}{'act x':>7}{'time x':>8}  "
+              f"{'equal':<6}note")
+    original_peak = original_act = None
+    if not args.predict_only:
+        original_peak = train_peak_bytes(model, inputs)[0]
+        original_act = exact_activations(model, inputs)
+        print(f"original: whole-step peak {original_peak / MiB:.1f} MiB (allocator), "
+              f"activations at the peak "
+              f"{'-' if original_act is None else f'{original_act / MiB:.1f}'} MiB (exact)")
     print(header, flush=True)
-    original_act = None if args.predict_only else step_peak_bytes(model, inputs) - grads
     points: list[Point] = []
+
+    def ratio(original: int | None, value: int | None) -> str:
+        return f"{original / value:.2f}" if original and value else "-"
 
     def report(point: Point) -> None:
         points.append(point)
         over = "-" if point.budget_bytes is None or point.measured_bytes is None else (
             "YES" if point.measured_bytes > point.budget_bytes else "no")
-        act_x = f"{original_act / point.act_bytes:.2f}" if original_act and point.act_bytes else "-"
         budget = f"{point.budget_bytes / MiB:.1f}" if point.budget_bytes else "-"
         measured = f"{point.measured_bytes / MiB:.1f}" if point.measured_bytes else "-"
+        peak = f"{point.peak_bytes / MiB:.1f}" if point.peak_bytes else "-"
         act = f"{point.act_bytes / MiB:.1f}" if point.act_bytes else "-"
         time_x = f"{point.time_ratio:.3f}" if point.time_ratio else "-"
         print(f"{point.method:<24}{point.fraction:>7}{budget:>11}{measured:>10}{over:>6}"
-              f"{act:>9}{act_x:>7}{time_x:>8}  {'yes' if point.equal else 'NO':<6}{point.note}",
-              flush=True)
+              f"{peak:>10}{ratio(original_peak, point.peak_bytes):>7}"
+              f"{act:>9}{ratio(original_act, point.act_bytes):>7}{time_x:>8}  "
+              f"{'yes' if point.equal else 'NO':<6}{point.note}", flush=True)
 
     smallest = smallest_budget(model, inputs)
     if fractions == ["auto"]:
@@ -150,13 +165,14 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
         note = (f"{stats.get('regions_count', 0)} regions, predicted "
                 f"{stats.get('predicted_after', 0) / MiB:.1f} MiB, optimize {seconds:.1f} s")
         if args.predict_only:
-            report(Point("fxopt", fraction, stats.get("budget_bytes"), None, 0, 0.0, True, note))
+            report(Point("fxopt", fraction, stats.get("budget_bytes"), None, None, None, 0.0,
+                         True, note))
             continue
         measured = measure_train_step(gm, inputs).peak_bytes
-        act = step_peak_bytes(gm, inputs) - grads
-        ratio, base = timed_against(model, gm, inputs, args.repeats)
-        report(Point("fxopt", fraction, stats.get("budget_bytes"), measured, act, ratio / base,
-                     gm.fxopt_report.verification.ok, note))
+        slowdown, base = timed_against(model, gm, inputs, args.repeats)
+        report(Point("fxopt", fraction, stats.get("budget_bytes"), measured,
+                     train_peak_bytes(gm, inputs)[0], exact_activations(gm, inputs),
+                     slowdown / base, gm.fxopt_report.verification.ok, note))
 
     if args.predict_only or not args.peers:
         return points, original_act
@@ -171,24 +187,33 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
         if not equal.ok:
             worst = equal.worst()[0]
             note += f"; differs: {worst.kind} {worst.name} (max abs {worst.max_abs_diff:.2g})"
-        act = step_peak_bytes(variant, inputs) - grads
-        ratio, base = timed_against(model, variant, inputs, args.repeats)
-        report(Point(peer, label, None, None, act, ratio / base, equal.ok, note))
+        eager = peer == "checkpoint_sequential"
+        slowdown, base = timed_against(model, variant, inputs, args.repeats)
+        report(Point(peer, label, None, None, train_peak_bytes(variant, inputs)[0],
+                     exact_activations(variant, inputs) if eager else None, slowdown / base,
+                     equal.ok, note))
     return points, original_act
 
 
+def exact_activations(module: torch.nn.Module, inputs: tuple) -> int | None:
+    """Activations at the training peak, exact (live-storage tracking); None on CUDA."""
+    figure = measure_train_step(module, inputs)
+    return None if figure.method == CUDA_METHOD else figure.activations_at_peak_bytes
+
+
 def summarise(name: str, points: list[Point], original_act: float | None) -> None:
-    ours = [p for p in points if p.method == "fxopt" and p.act_bytes]
+    ours = [p for p in points if p.method == "fxopt" and p.peak_bytes]
     if not ours:
         return
     for peer in (p for p in points if p.method != "fxopt"):
-        better = [o for o in ours if o.act_bytes <= peer.act_bytes and o.time_ratio <= peer.time_ratio]
+        better = [o for o in ours
+                  if o.peak_bytes <= peer.peak_bytes and o.time_ratio <= peer.time_ratio]
         verdict = (f"dominated by fxopt@{better[0].fraction}" if better
                    else "NOT dominated by any fxopt point")
         print(f"  {peer.method}@{peer.fraction}: {verdict}")
     if name in TARGETS and original_act:
         reduction, time_limit = TARGETS[name]
-        within = [p for p in ours if p.time_ratio <= time_limit]
+        within = [p for p in ours if p.time_ratio <= time_limit and p.act_bytes]
         best = max((original_act / p.act_bytes for p in within), default=0.0)
         print(f"  target: >= {reduction}x less activation memory at <= "
               f"{(time_limit - 1) * 100:.0f}% extra time; best reached: {best:.2f}x "
