@@ -18,7 +18,9 @@ Arms, per model and optimizer:
   and the ordinary optimizer;
 - ``fused``: the model and ``fxopt.fuse_optimizer`` (forward, backward with the updates,
   ``step()``, ``zero_grad()``);
-- ``both``: the checkpointed module and the fused optimizer.
+- ``both``: the fused optimizer and ``fxopt.optimize(model, x, memory_budget="min")`` called
+  with it fused, so the checkpoint pass plans with each gradient freed at its step and the
+  step's temporaries (its own least-memory plan, which may differ from ``checkpointing``'s).
 
 Columns:
 
@@ -37,7 +39,8 @@ Columns:
   ratio and the min-max over rounds;
 - ``verified``: ``fused``: ``verify_fused_training`` against plain over ``--steps`` steps
   (parameters, buffers, optimizer state after every step; ``bit`` when bit-identical);
-  ``both``: the same against ``checkpointing``; ``checkpointing``: by ``fxopt.optimize``.
+  ``both``: its module with the fused optimizer against the same module with the ordinary one;
+  ``checkpointing`` and ``both``'s module: by ``fxopt.optimize``.
 """
 
 from __future__ import annotations
@@ -163,23 +166,33 @@ def run(model: nn.Module, inputs: tuple, gm: nn.Module | None, gm_note: str,
     cls, kwargs = optimizer
     arms = {arm: Arm(arm) for arm in ARMS}
     arms["plain"].module = arms["fused"].module = model
-    if gm is not None:
-        arms["checkpointing"].module = arms["both"].module = gm
-        arms["checkpointing"].verified = "optimize"
-        arms["checkpointing"].note = gm_note
-    else:
-        for arm in ("checkpointing", "both"):
-            arms[arm].note = gm_note
-    # memory and verification: plain against fused, then checkpointing against both
-    pairs = [("plain", "fused", model)] + ([("checkpointing", "both", gm)] if gm else [])
+    planning = fuse_optimizer(model, cls, **kwargs)  # optimize plans for it; it steps nothing
+    try:
+        gm_both, both_note = checkpointed(model, inputs)
+    finally:
+        planning.remove()
+    for arm, module, note in (("checkpointing", gm, gm_note), ("both", gm_both, both_note)):
+        arms[arm].note = note
+        if module is not None:
+            arms[arm].module = module
+            arms[arm].verified = "optimize"
+    # memory and verification: plain against fused; each checkpointed module with the ordinary
+    # optimizer against itself with the fused one ("checkpointing" is the first's ordinary run,
+    # "both" the second's fused run)
+    pairs = [("plain", "fused", model), ("checkpointing", None, gm), (None, "both", gm_both)]
     for reference, candidate, module in pairs:
+        if module is None:
+            continue
         report = verify_fused_training(module, cls, inputs, steps=args.steps,
                                        measure_memory=True, **kwargs)
         (ref_peak, cand_peak), (ref_base, cand_base) = report.peaks[-1], report.baselines[-1]
-        arms[reference].peak, arms[reference].step = ref_peak, ref_peak - ref_base
+        if reference is not None:
+            arms[reference].peak, arms[reference].step = ref_peak, ref_peak - ref_base
+        if candidate is None:
+            continue
         arms[candidate].peak, arms[candidate].step = cand_peak, cand_peak - cand_base
-        arms[candidate].verified = ("bit" if report.bit_identical else "yes") if report.ok \
-            else "NO"
+        verdict = ("bit" if report.bit_identical else "yes") if report.ok else "NO"
+        arms[candidate].verified = verdict
         if not report.ok:
             arms[candidate].note = str(report).splitlines()[1].strip()
     # time: every arm on its own copy, alternated
@@ -188,7 +201,8 @@ def run(model: nn.Module, inputs: tuple, gm: nn.Module | None, gm_note: str,
                 "fused": Trainer(copy.deepcopy(model), optimizer, True, inputs)}
     if gm is not None:
         trainers["checkpointing"] = Trainer(copy.deepcopy(gm), optimizer, False, inputs)
-        trainers["both"] = Trainer(copy.deepcopy(gm), optimizer, True, inputs)
+    if gm_both is not None:
+        trainers["both"] = Trainer(copy.deepcopy(gm_both), optimizer, True, inputs)
     times = time_arms(trainers, args.repeats, args.inner)
     for arm in arms.values():
         arm.time = times.get(arm.name)
