@@ -19,7 +19,7 @@ import torchvision
 from torch import nn
 
 import fxopt
-from fxopt.analysis.estimate import estimate_peak, max_batch_size
+from fxopt.analysis.estimate import estimate_peak, estimate_train_peak, max_batch_size
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.core.errors import BudgetError
 from fxopt.core.step import training_step
@@ -145,3 +145,32 @@ def test_the_cli_plans_and_reports_with_a_fused_optimizer(capsys):
         cli.main(["optimize", "zoo:mlp", "--fuse-optimizer", "adamx"])
     assert exit_info.value.code == 2
     assert "'adamx' is no torch.optim optimizer" in capsys.readouterr().err
+
+
+class ScaledSGD(torch.optim.Optimizer):
+    """A custom optimizer whose constructor needs a positional argument the fake run cannot
+    supply from its param groups."""
+
+    def __init__(self, params, scale, lr=0.1):
+        super().__init__(params, {"lr": lr})
+        self.scale = scale
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad * self.scale, alpha=-group["lr"])
+
+
+def test_an_optimizer_the_fake_run_cannot_rebuild_still_frees_its_gradients():
+    model, x = seeded(WideMLP, 512), torch.randn(2, 512)
+    plain = estimate_peak(model, x)
+    fused = fxopt.fuse_optimizer(model, lambda params: ScaledSGD(params, 0.5))
+    try:
+        estimate = estimate_train_peak(model, x)
+    finally:
+        fused.remove()
+    assert estimate.fused.parameters == 12 and not estimate.fused.temporaries_modelled
+    assert estimate.grad_bytes <= 512 * 512 * 4 + 2**20
+    assert estimate.bytes < plain.train_bytes

@@ -104,7 +104,7 @@ def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, 
     gradients the step left that were alive at the peak; 0 for a step without backward).
     Parameters the user's fused optimizers step in backward are stepped there on the fakes too
     (``fxopt.analysis.fused_gradients``)."""
-    real = dict(module.named_parameters(remove_duplicate=False))
+    real = dict(module.named_parameters(remove_duplicate=False)) if step is _train else {}
     with opaque_leaves_stood_in(module), on_fake_tensors(module, example_inputs) as run, \
             gradients_tagged(run.state.values()), \
             fused_steps_on_fakes(module, real, run.state) as fused:

@@ -17,8 +17,10 @@ no real cost. It yields ``FusedStepModel``: the optimizer state bytes (alive thr
 parameters: not part of the step's peak) and how many parameters are stepped in backward.
 
 Not handled: an optimizer class whose constructor cannot be called with its own param groups
-(a custom optimizer with required positional arguments): its gradients are still freed at the
-step, but its temporaries are not counted (``FusedStepModel.temporaries_modelled`` is False).
+(a custom optimizer with required positional arguments), or whose step cannot run on fake
+tensors from zero gradients (SparseAdam needs sparse ones): its gradients are still freed at the
+step, but its temporaries and state are not counted (``FusedStepModel.temporaries_modelled`` is
+False).
 What the shadow steps allocate is tagged ``OPTIMIZER_STEP`` in the tracker, so the estimate
 can tell the step's temporaries alive at the peak from activations. Gradients alive at the peak
 (``TrainPeak.grad_bytes``) are read after the run, so a fused gradient alive at the peak (at
@@ -53,9 +55,21 @@ class FusedStepModel:
     optimizers: tuple[str, ...] = ()  # class names, e.g. ("AdamW",)
 
 
+class _FreeOnly(torch.optim.Optimizer):
+    """Steps nothing: the stand-in for an optimizer the fake run cannot reproduce (its gradients
+    are still freed at the step)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        super().__init__(params, {})
+
+    def step(self, closure: object = None) -> None:
+        return None
+
+
 def _shadow(optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.Tensor]
             ) -> torch.optim.Optimizer | None:
-    """An optimizer of ``optimizer``'s class and hyperparameters over the fakes it covers."""
+    """An optimizer of ``optimizer``'s class and hyperparameters over the fakes it covers, its
+    state made; ``_FreeOnly`` when that cannot be had."""
     groups = []
     for group in optimizer.param_groups:
         params = [fake_of[id(p)] for p in group["params"] if id(p) in fake_of]
@@ -65,9 +79,14 @@ def _shadow(optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.Tensor]
     if not groups:
         return None
     try:
-        return type(optimizer)(groups)
-    except Exception:  # a custom constructor with required arguments: free gradients only
-        return torch.optim.SGD(groups, lr=0.0)
+        shadow = type(optimizer)(groups)
+        _create_state(shadow)
+        return shadow
+    except Exception:  # a custom constructor, a step fakes cannot run: free gradients only
+        for group in groups:
+            for p in group["params"]:
+                p.grad = None
+        return _FreeOnly([p for group in groups for p in group["params"]])
 
 
 def _tag_steps(shadow: torch.optim.Optimizer) -> None:
@@ -109,8 +128,7 @@ def fused_steps_on_fakes(module: nn.Module, real: dict[str, torch.Tensor],
             shadow = _shadow(fused.optimizer, fake_of)
             if shadow is None:
                 continue
-            modelled &= type(shadow) is type(fused.optimizer)
-            _create_state(shadow)
+            modelled &= not isinstance(shadow, _FreeOnly)
             _tag_steps(shadow)
             state_bytes += storage_bytes([t for s in shadow.state.values() for t in s.values()
                                           if isinstance(t, torch.Tensor)])
