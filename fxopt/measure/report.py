@@ -184,8 +184,9 @@ def peaks_table(predicted_before: PeakEstimate | str | None, predicted_after: Pe
         method = (f"measured on {measured_before.train.device} by {measured_before.train.method}; "
                   if measured_before else "")
         lines.append(f"  ({method}predicted on fake tensors; peaks include parameters, buffers "
-                     "and inputs;\n   activations: the peak minus those, the parameter "
-                     "gradients and a fused optimizer step's temporaries alive at it)")
+                     "and inputs;\n   activations: the peak minus those, and minus the "
+                     "parameter gradients\n   and any fused optimizer step's temporaries alive "
+                     "at it)")
     fused = next((e for e in both if e.fused_parameters), None)
     if fused is not None:
         lines.append(f"  fused optimizer step: {fused.fused_parameters} parameters stepped in "
