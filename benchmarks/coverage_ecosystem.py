@@ -46,6 +46,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout whose commit the table names
+
 MIB = 1024 * 1024
 TRACEBACK_LINES = 15
 # Outcomes a model is built to show: the error class and a phrase its message must contain.
@@ -311,7 +313,7 @@ def summary(rows: list[dict[str, Any]], skipped: list[tuple[str, str]]) -> str:
 def results_header(args: argparse.Namespace, todo: int, done: int) -> str:
     import torch
 
-    from fxopt.bench.environment import device_name
+    from fxopt.bench.environment import code_commit, device_name
 
     torch.set_num_threads(1)  # as every worker runs
     versions = []
@@ -322,23 +324,10 @@ def results_header(args: argparse.Namespace, todo: int, done: int) -> str:
             versions.append(f"{library} not installed")
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     return (f"fxopt ecosystem coverage sweep; {datetime.date.today().isoformat()}; fxopt "
-            f"{fxopt_commit()}; device: {device_name(torch.device('cpu'))} per model, "
+            f"{code_commit(ROOT) or '(commit unknown)'}; "
+            f"device: {device_name(torch.device('cpu'))} per model, "
             f"{args.jobs} at once; torch {torch.__version__}; {', '.join(versions)}\n"
             f"budget {args.budget}; {todo} to run, {done} already done; command: {command}")
-
-
-def fxopt_commit() -> str:
-    """The commit of the fxopt checkout this runs from (``+changes`` when fxopt/ differs)."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                                capture_output=True, timeout=10, check=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "fxopt", "passes"],
-                                 cwd=root, text=True, capture_output=True, timeout=10,
-                                 check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "(commit unknown)"
-    return f"{commit}{'+changes' if changed else ''}"
 
 
 def main() -> None:

@@ -52,7 +52,6 @@ import importlib.metadata
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -65,13 +64,14 @@ from torch import nn
 
 import models_zoo
 from fxopt.api import optimize
-from fxopt.bench.environment import device_name
+from fxopt.bench.environment import TeeOutput, code_commit, device_name
 from fxopt.core.errors import FxoptError
 from fxopt.core.step import training_step
 from fxopt.measure.peaks import measure_train_step
 from fxopt.verify.fused_training import fuse_optimizer, verify_fused_training
 
 MiB = 2**20
+ROOT = Path(__file__).resolve().parent.parent
 ISSUE_MODELS = ("smp_unet_resnet18", "timm_lowformer_b0", "timm_resnet33ts")
 ZOO_MODELS = ("mnist_net", "resnet18", "mobilenet_v2", "transformer_lm", "unet")
 OPTIMIZERS: dict[str, tuple[type, dict]] = {
@@ -231,33 +231,6 @@ def table(name: str, optimizer_name: str, arms: dict[str, Arm], today: int,
             f"{today / arm.step:>8.2f}{timing:>8}{spread:>12}  {arm.verified:<9}{arm.note}")
 
 
-def fxopt_commit() -> str:
-    """The commit this runs from (``+changes`` when fxopt/, passes/ or benchmarks/ differ)."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                                capture_output=True, timeout=10, check=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "fxopt", "passes",
-                                  "benchmarks/fused_step.py"], cwd=root, text=True,
-                                 capture_output=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "(commit unknown)"
-    return f"{commit}{'+changes' if changed else ''}"
-
-
-class Output:
-    """Prints each line, and keeps the file given by ``--out`` up to date line by line."""
-
-    def __init__(self, path: str | None):
-        self.file = open(path, "w") if path else None  # noqa: SIM115 -- open for the whole run
-
-    def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
-        if self.file:
-            self.file.write(line + "\n")
-            self.file.flush()
-
-
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
@@ -276,14 +249,15 @@ def main() -> int:
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    out = Output(args.out)
+    out = TeeOutput(args.out)
     out(f"# benchmarks/fused_step.py -- {datetime.date.today().isoformat()}; device: "
         f"{device_name('cpu')}; torch {torch.__version__}; timm {_version('timm')}; "
         f"segmentation-models-pytorch {_version('segmentation-models-pytorch')}; torch threads "
         f"{torch.get_num_threads()} of {os.cpu_count()} cores")
     out(f"# command: {shlex.join([sys.executable, *sys.argv])}")
     malloc = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_"))
-    out(f"# code: commit {fxopt_commit()}; allocator: glibc malloc"
+    commit = code_commit(ROOT, ("fxopt", "passes", "benchmarks/fused_step.py"))
+    out(f"# code: commit {commit or '(unknown)'}; allocator: glibc malloc"
         f"{', ' + malloc if malloc else ' with its default settings'}")
     out(f"# peak MiB: whole training-step peak at step {args.steps} (parameters, buffers, inputs, "
         "optimizer state, gradients, activations, the update's temporaries), exact live-storage "

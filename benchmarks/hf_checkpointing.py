@@ -63,7 +63,7 @@ import transformers
 from torch import nn
 
 from fxopt.api import optimize
-from fxopt.bench.environment import device_name
+from fxopt.bench.environment import TeeOutput, device_name
 from fxopt.bench.peers import build_peer
 from fxopt.bench.runs import step_peak_bytes
 from fxopt.core.errors import BudgetError, FxoptError
@@ -126,19 +126,6 @@ class Row:
     note: str
 
 
-class Output:
-    """Prints each line, and keeps the file given by ``--out`` up to date line by line."""
-
-    def __init__(self, path: str | None):
-        self.file = open(path, "w") if path else None  # noqa: SIM115 -- open for the whole run
-
-    def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
-        if self.file:
-            self.file.write(line + "\n")
-            self.file.flush()
-
-
 def time_ratio(original: nn.Module, variant: nn.Module, inputs: tuple, repeats: int
                ) -> tuple[float, tuple[float, float]]:
     """Median and (min, max) of ``repeats`` samples of variant/original step time."""
@@ -166,7 +153,7 @@ def dynamo_counts() -> tuple[int, int]:
     return (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
 
 
-def run_model(name: str, args, out: Output, failures: list[str]) -> list[Row]:
+def run_model(name: str, args, out: TeeOutput, failures: list[str]) -> list[Row]:
     model = build(name, args)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(SEED)).to(args.device)
@@ -292,7 +279,7 @@ def run_model(name: str, args, out: Output, failures: list[str]) -> list[Row]:
     return rows
 
 
-def verdict(name: str, rows: list[Row], out: Output) -> None:
+def verdict(name: str, rows: list[Row], out: TeeOutput) -> None:
     hf = next((r for r in rows if r.method == "hf_gradient_checkpointing"), None)
     ours = [r for r in rows if r.method == "fxopt" and r.peak]
     if hf is None or not ours:
@@ -345,7 +332,7 @@ def main() -> int:
     args.device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    out = Output(args.out)
+    out = TeeOutput(args.out)
     out(f"# benchmarks/hf_checkpointing.py -- {datetime.date.today().isoformat()}; device: "
         f"{device_name(args.device)}; torch {torch.__version__}; transformers "
         f"{transformers.__version__}; torch threads {torch.get_num_threads()} of "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 
 import fxopt
-from fxopt.bench.environment import device_name
+from fxopt.bench.environment import code_commit, device_name
 from fxopt.core.step import training_step
 
 Case = tuple[str, Callable[[], tuple[nn.Module, tuple, dict]], str]
@@ -92,14 +91,6 @@ def optimize_runs(model: nn.Module, args: tuple, kwargs: dict, budget, repeats: 
     return totals, {name: statistics.median(values) for name, values in phases.items()}
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="resnet50,gpt2")
@@ -118,7 +109,8 @@ def main() -> None:
 
     emit(f"# benchmarks/optimize_speed.py -- {datetime.date.today()}; device: "
          f"{device_name(torch.device('cpu'))}, {options.threads} thread(s); torch "
-         f"{torch.__version__}; code: commit {commit()}")
+         f"{torch.__version__}; code: commit "
+         f"{code_commit(Path(__file__).resolve().parent.parent) or '(unknown)'}")
     emit(f"# command: python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}")
     emit("# step: median wall time of the original's training step (forward+backward); optimize: "
          f"median of {options.repeats} runs (min-max); steps = optimize / step; phases: medians, "

@@ -141,3 +141,22 @@ class Snapshot:
         assert {n: m.training for n, m in self.model.named_modules()} == self.flags
         assert {n: p.requires_grad for n, p in self.model.named_parameters()} == self.requires_grad
         assert torch.equal(torch.get_rng_state(), self.rng), "global RNG state changed"
+
+
+class WideMLP(nn.Module):
+    """Big weights, a tiny batch: the peak is late in backward, when every gradient is alive."""
+
+    def __init__(self, width: int = 256, depth: int = 6):
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(depth)
+                                      for m in (nn.Linear(width, width), nn.GELU())])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def seeded(build: Any, *args: Any) -> Any:
+    """``build(*args)`` with torch's RNG seeded 0 for it, the global RNG left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return build(*args)

@@ -16,31 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torchvision
-from torch import nn
 
 import fxopt
 from fxopt.analysis.estimate import estimate_peak, estimate_train_peak, max_batch_size
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.core.errors import BudgetError
 from fxopt.core.step import training_step
-
-
-class WideMLP(nn.Module):
-    """Big weights, a tiny batch: the peak is late in backward, when every gradient is alive."""
-
-    def __init__(self, width: int = 256, depth: int = 6):
-        super().__init__()
-        self.layers = nn.Sequential(*[m for _ in range(depth)
-                                      for m in (nn.Linear(width, width), nn.GELU())])
-
-    def forward(self, x):
-        return self.layers(x)
-
-
-def seeded(build, *args):
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return build(*args)
+from helpers import WideMLP, seeded
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from fxopt.runtime.fused_step import (
     paused,
 )
 from fxopt.verify.fused_training import fuse_optimizer, verify_fused_training
+from helpers import WideMLP, seeded
 
 
 class SmallNet(nn.Module):
@@ -46,24 +47,6 @@ class SmallNet(nn.Module):
 
     def forward(self, x):
         return self.head(self.features(x).mean((2, 3)))
-
-
-class WideMLP(nn.Module):
-    """Big weights, a tiny batch: the peak is late in backward, when every gradient is alive."""
-
-    def __init__(self, width: int = 256, depth: int = 6):
-        super().__init__()
-        self.layers = nn.Sequential(*[m for _ in range(depth)
-                                      for m in (nn.Linear(width, width), nn.GELU())])
-
-    def forward(self, x):
-        return self.layers(x)
-
-
-def seeded(cls, *args):
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return cls(*args)
 
 
 def image() -> torch.Tensor:

@@ -21,11 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxopt.analysis import estimate_peak
 from fxopt.bench.spread import StepTimes, TimeChange, alternated_step_times
 from fxopt.core.step import as_args
-from fxopt.measure.compare import Comparison, Figures
-from fxopt.measure.peaks import format_bytes, measure
+from fxopt.measure.compare import Comparison, figures_of, percent_change
+from fxopt.measure.peaks import format_bytes
 
 PEAK_DEFINITION = "the whole step, parameters, buffers and inputs included"
 
@@ -51,7 +50,7 @@ class BeforeAfter:
                            ("inference peak, predicted", "inference_predicted")):
             b, a = getattr(before, key), getattr(after, key)
             rows.append(f"  {label:<30}{format_bytes(b):>12}{format_bytes(a):>12}"
-                        f"{_change(b, a):>9}")
+                        f"{percent_change(b, a):>9}")
         rows += _step_rows(self.times)
         device = self.comparison.device
         if not device.startswith("cuda"):
@@ -70,10 +69,6 @@ def format_ms(seconds: float) -> str:
     return f"{ms:.1f} ms" if ms >= 100 else f"{ms:.2f} ms" if ms >= 10 else f"{ms:.3f} ms"
 
 
-def _change(before: float, after: float) -> str:
-    return f"{(after / before - 1) * 100:+.1f}%" if before else "n/a"
-
-
 def _step_rows(times: TimeChange) -> list[str]:
     """Fastest, median (with the change) and slowest step of each model, in ms."""
     count = min(len(times.before.samples), len(times.after.samples))
@@ -87,20 +82,13 @@ def _step_rows(times: TimeChange) -> list[str]:
     return rows
 
 
-def _figures(module: nn.Module, inputs: tuple, seconds: float) -> tuple[Figures, Any]:
-    measured = measure(module, inputs)
-    predicted = estimate_peak(module, inputs)
-    return Figures(measured.train.peak_bytes, predicted.train_bytes,
-                   measured.inference.peak_bytes, predicted.inference_bytes, seconds), measured
-
-
 def before_after(model: nn.Module, optimized: nn.Module, example_inputs: Any, *,
                  repeats: int = 5) -> BeforeAfter:
     """Measured and predicted peaks of ``model`` and ``optimized``, and their step times."""
     inputs = as_args(example_inputs)
     original, variant = alternated_step_times([model, optimized], inputs, repeats)
-    before, measured = _figures(model, inputs, original.median)
-    after, _ = _figures(optimized, inputs, variant.median)
+    before, measured = figures_of(model, inputs, original.median)
+    after, _ = figures_of(optimized, inputs, variant.median)
     comparison = Comparison(before, after, measured.train.device, measured.train.method,
                             len(original.samples))
     return BeforeAfter(comparison, TimeChange(original, variant), torch.get_num_threads())

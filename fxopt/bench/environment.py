@@ -1,8 +1,11 @@
-"""Where a benchmark ran, as its tables name it: the device and the threads torch used."""
+"""Where a benchmark ran, as its tables name it: the device and the threads torch used, the
+commit of the code, and a printer that also keeps the ``--out`` file."""
 
 from __future__ import annotations
 
 import platform
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -21,3 +24,32 @@ def device_name(device: torch.device | str) -> str:
         pass
     threads = torch.get_num_threads()
     return f"CPU {cpu}, {threads} thread{'s' if threads != 1 else ''}"
+
+
+def code_commit(root: Path, paths: tuple[str, ...] = ("fxopt", "passes")) -> str | None:
+    """``"<short sha>"``, or ``"<short sha>+changes"`` when tracked files under ``paths`` (of
+    the checkout at ``root``) differ from it: the code a benchmark's figures belong to. None
+    where ``root`` is no git checkout (or git is missing)."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                             capture_output=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                *paths], cwd=root, text=True, capture_output=True, timeout=10,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}{'+changes' if dirty else ''}"
+
+
+class TeeOutput:
+    """Prints each line, and keeps the file given (a benchmark's ``--out``) up to date line by
+    line, so a run cut short leaves its figures so far."""
+
+    def __init__(self, path: str | Path | None):
+        self.file = open(path, "w") if path else None  # noqa: SIM115 -- open for the whole run
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        if self.file:
+            self.file.write(line + "\n")
+            self.file.flush()

@@ -55,20 +55,22 @@ class Comparison:
                            ("inference peak, predicted", "inference_predicted")):
             b, a = getattr(self.before, key), getattr(self.after, key)
             rows.append(f"  {label:<30}{format_bytes(b):>12}{format_bytes(a):>12}"
-                        f"{_change(b, a):>9}")
+                        f"{percent_change(b, a):>9}")
         b, a = self.before.step_seconds, self.after.step_seconds
         rows.append(f"  {f'train step, median of {self.repeats}':<30}{b * 1e3:>9.1f} ms"
-                    f"{a * 1e3:>9.1f} ms{_change(b, a):>9}")
+                    f"{a * 1e3:>9.1f} ms{percent_change(b, a):>9}")
         rows.append(f"  (device: {self.device}; measured by {self.method}; predicted on fake "
                     "tensors; peaks include parameters, buffers and inputs)")
         return "\n".join(rows)
 
 
-def _change(before: float, after: float) -> str:
+def percent_change(before: float, after: float) -> str:
+    """``+12.3%``: ``after`` against ``before`` (``n/a`` when ``before`` is 0)."""
     return f"{(after / before - 1) * 100:+.1f}%" if before else "n/a"
 
 
-def _figures(module: nn.Module, inputs: tuple, seconds: float) -> tuple[Figures, Any]:
+def figures_of(module: nn.Module, inputs: tuple, seconds: float) -> tuple[Figures, Any]:
+    """``module``'s measured and predicted peaks with ``seconds`` per step, and the measurement."""
     measured = measure(module, inputs)
     predicted = estimate_peak(module, inputs)
     return Figures(measured.train.peak_bytes, predicted.train_bytes,
@@ -80,6 +82,6 @@ def compare(model: nn.Module, optimized: nn.Module, example_inputs: Any, *,
     """Measured and predicted peaks and step times of ``model`` and ``optimized``."""
     inputs = as_args(example_inputs)
     after_seconds, before_seconds = timed_against(model, optimized, inputs, repeats)
-    before, measured = _figures(model, inputs, before_seconds)
-    after, _ = _figures(optimized, inputs, after_seconds)
+    before, measured = figures_of(model, inputs, before_seconds)
+    after, _ = figures_of(optimized, inputs, after_seconds)
     return Comparison(before, after, measured.train.device, measured.train.method, repeats)
