@@ -81,6 +81,11 @@ def test_module_base_classes_and_compile_knobs():
     with private.min_cut_memory_budget(0.25):
         from torch._functorch import config
         assert config.activation_memory_budget == 0.25
+    from torch._dynamo import config as dynamo_config
+    with private.recompiles_unlimited():
+        assert dynamo_config.recompile_limit >= 2**16
+        assert dynamo_config.accumulated_recompile_limit >= 2**16
+    assert dynamo_config.recompile_limit == 8
 
 
 # Private torch names fxopt code may only touch through fxopt.core.torch_private.

@@ -143,6 +143,16 @@ def min_cut_memory_budget(fraction: float) -> contextlib.AbstractContextManager:
     return functorch_config.patch(activation_memory_budget=fraction)
 
 
+def recompiles_unlimited() -> contextlib.AbstractContextManager:
+    """Inside, dynamo compiles a code object anew as often as asked. By default it keeps at most
+    ``recompile_limit`` (8) compiled versions per code object and then runs it eager, silently
+    but for a warning: a benchmark comparing several compile budgets on one model class would
+    measure eager steps from the ninth on."""
+    from torch._dynamo import config as dynamo_config
+
+    return dynamo_config.patch(recompile_limit=2**16, accumulated_recompile_limit=2**16)
+
+
 def compile_backend(name: str) -> Any:
     """The torch.compile backend registered as ``name``."""
     from torch._dynamo import lookup_backend
@@ -162,6 +172,7 @@ __all__ = [
     "boxed_codegen",
     "codegen_of",
     "compile_backend",
+    "recompiles_unlimited",
     "copy_codegen",
     "disable_current_modes",
     "fx",
