@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxopt
 from fxopt.export.writer import export, load_exported
+from helpers import exit_passed_worker
 
 STEPS = 3
 WORLD = 2
@@ -102,6 +103,7 @@ def _worker(rank: int, init_file: str, export_dir: str) -> None:
         dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
+    exit_passed_worker()
 
 
 def test_optimized_and_exported_models_train_like_the_original_under_ddp(tmp_path):

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fxopt
 from fxopt.core.errors import ConfigError, InputError
 from fxopt.verify.fused_training import fuse_optimizer
+from helpers import exit_passed_worker
 
 STEPS = 3
 WORLD = 2
@@ -130,6 +131,7 @@ def _worker(rank: int, init_file: str) -> None:
         dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
+    exit_passed_worker()
 
 
 def test_fused_step_under_ddp_trains_like_plain_ddp(tmp_path):
