@@ -132,7 +132,8 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
         predicted, plan = search_plan(
             problem, target=target, unoptimized_peak=peak, predict=predict,
             max_region_atoms=max_region_atoms, where=f"checkpoint pass, budget={budget!r}",
-            activations=activations)
+            activations=activations,
+            gradients=0 if estimate.fused.parameters else estimate.grad_bytes)
     stats["regions"] = apply_plan(gm, forward, plan)
     gm.recompile()
     refresh_meta(gm)

@@ -156,3 +156,16 @@ def test_an_optimizer_the_fake_run_cannot_rebuild_still_frees_its_gradients():
     assert estimate.fused.parameters == 12 and not estimate.fused.temporaries_modelled
     assert estimate.grad_bytes <= 512 * 512 * 4 + 2**20
     assert estimate.bytes < plain.train_bytes
+
+
+def test_the_cli_meets_a_budget_with_the_fused_step_and_exports(tmp_path, capsys):
+    from fxopt import cli
+    argv = ["optimize", "zoo:resnet18", "--input-shape", "2,3,64,64", "--memory-budget", "0.7",
+            "--repeats", "1", "--threads", "1"]
+    assert cli.main(argv) == 2  # BudgetError: a usage error whose hint names the fused step
+    assert "parameter gradients, which checkpointing cannot free" in capsys.readouterr().err
+    code = cli.main(argv + ["--fuse-optimizer", "adamw", "--out", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "fused optimizer step: 62 parameters stepped in backward" in out
+    assert (tmp_path / "out" / "state_dict.pt").exists()

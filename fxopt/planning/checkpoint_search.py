@@ -35,8 +35,13 @@ Predicted = tuple[int, CheckpointPlan]
 
 def search_plan(problem: CheckpointProblem, *, target: int, unoptimized_peak: int,
                 predict: Predict, max_region_atoms: int = 16, max_rounds: int = 6,
-                where: str = "checkpoint pass", activations: int | None = None) -> Predicted:
-    """(predicted peak, plan) of the cheapest plan predicted to fit ``target`` bytes."""
+                where: str = "checkpoint pass", activations: int | None = None,
+                gradients: int = 0) -> Predicted:
+    """(predicted peak, plan) of the cheapest plan predicted to fit ``target`` bytes.
+
+    ``gradients``: parameter gradients alive at the unoptimized peak that a fused optimizer
+    step would free (0 when there are none, or they are freed already); when they are a large
+    part of the peak, a ``BudgetError`` suggests fusing."""
     overhead = unoptimized_peak - problem.kept_without_checkpointing()
     solver_budget = target - overhead
     best: Predicted | None = None
@@ -65,9 +70,19 @@ def search_plan(problem: CheckpointProblem, *, target: int, unoptimized_peak: in
         f"({smallest_peak:,} bytes{fraction}; unoptimized: {_mib(unoptimized_peak)})",
         where=where,
         hint=f"pass memory_budget='min' for that least-memory plan, or a budget of at least "
-             f"{smallest_peak} (bytes), or lower the batch size",
+             f"{smallest_peak} (bytes), or lower the batch size" + _fusing_hint(
+                 gradients, unoptimized_peak),
         smallest_bytes=smallest_peak,
     )
+
+
+def _fusing_hint(gradients: int, peak: int) -> str:
+    if gradients < peak // 4:
+        return ""
+    return (f"; {_mib(gradients)} of the unoptimized peak are parameter gradients, which "
+            "checkpointing cannot free: fuse the optimizer step into backward "
+            "(fxopt.fuse_optimizer before optimize; on the command line --fuse-optimizer NAME) "
+            "and each is freed at its step")
 
 
 def _mib(n: int) -> str:
