@@ -21,10 +21,11 @@ Not handled: an optimizer class whose constructor cannot be called with its own 
 tensors from zero gradients (SparseAdam needs sparse ones): its gradients are still freed at the
 step, but its temporaries and state are not counted (``FusedStepModel.temporaries_modelled`` is
 False).
-What the shadow steps allocate is tagged ``OPTIMIZER_STEP`` in the tracker, so the estimate
-can tell the step's temporaries alive at the peak from activations. Gradients alive at the peak
-(``TrainPeak.grad_bytes``) are read after the run, so a fused gradient alive at the peak (at
-most ``bucket_bytes`` waiting for its bucket) counts as activation memory.
+
+What the shadow steps allocate is tagged ``OPTIMIZER_STEP`` in the tracker, and every
+accumulated gradient ``GRADIENT`` (``fxopt.analysis.estimate.gradients_tagged``), so the
+estimate tells the step's temporaries and the gradients alive at the peak -- a fused one
+included, though freed before the run ends -- from activations.
 """
 
 from __future__ import annotations
