@@ -23,8 +23,7 @@ from torch import nn
 
 from fxopt.bench.spread import StepTimes, TimeChange, alternated_step_times
 from fxopt.core.step import as_args
-from fxopt.measure.compare import Comparison, figures_of, percent_change
-from fxopt.measure.peaks import format_bytes
+from fxopt.measure.compare import Comparison, figures_of
 
 PEAK_DEFINITION = "the whole step, parameters, buffers and inputs included"
 
@@ -42,16 +41,8 @@ class BeforeAfter:
                 "torch_threads": self.threads}
 
     def __str__(self) -> str:
-        before, after = self.comparison.before, self.comparison.after
-        rows = [f"  {'':<30}{'before':>12}{'after':>12}{'change':>9}"]
-        for label, key in (("train peak, measured", "train_measured"),
-                           ("train peak, predicted", "train_predicted"),
-                           ("inference peak, measured", "inference_measured"),
-                           ("inference peak, predicted", "inference_predicted")):
-            b, a = getattr(before, key), getattr(after, key)
-            rows.append(f"  {label:<30}{format_bytes(b):>12}{format_bytes(a):>12}"
-                        f"{percent_change(b, a):>9}")
-        rows += _step_rows(self.times)
+        rows = [f"  {'':<30}{'before':>12}{'after':>12}{'change':>9}",
+                *self.comparison.peak_rows(), *_step_rows(self.times)]
         device = self.comparison.device
         if not device.startswith("cuda"):
             device += f", {self.threads} torch thread{'s' if self.threads != 1 else ''}"

@@ -18,17 +18,13 @@ noise is printed with a ``?`` and a sentence saying so, never as a bare percenta
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-from fxopt.core.state import preserved_state
-from fxopt.core.tensors import module_device
-from fxopt.measure.timing import fresh_training_step
+from fxopt.measure.timing import alternated_samples
 
 
 ALL_SAMPLES_BELOW = 20
@@ -111,29 +107,9 @@ class TimeChange:
                 "within_noise": self.within_noise}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def alternated_step_times(modules: Sequence[nn.Module], inputs: tuple, repeats: int, *,
                           min_seconds: float = 1.0, max_repeats: int = 200) -> list[StepTimes]:
-    """Samples of a training step of each of ``modules``, timed in rotating order (module
-    docstring). Every module's grads, buffers, training flags and the RNG are as before after."""
-    device = module_device(modules[0], inputs)
-    times: list[list[float]] = [[] for _ in modules]
-    with preserved_state(*modules):
-        for module in modules:
-            module.train()
-            fresh_training_step(module, inputs)  # warm-up: lazy state, compiled code, caches
-        rounds = 0
-        while rounds < repeats or (rounds < max_repeats and min(map(sum, times)) < min_seconds):
-            for offset in range(len(modules)):
-                index = (rounds + offset) % len(modules)
-                _sync(device)
-                start = time.perf_counter()
-                fresh_training_step(modules[index], inputs)
-                _sync(device)
-                times[index].append(time.perf_counter() - start)
-            rounds += 1
-    return [StepTimes(tuple(samples)) for samples in times]
+    """Samples of a training step of each of ``modules``, timed in rotating order
+    (``fxopt.measure.timing.alternated_samples``)."""
+    return [StepTimes(tuple(samples)) for samples in alternated_samples(
+        modules, inputs, repeats, min_seconds=min_seconds, max_repeats=max_repeats)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -31,29 +32,38 @@ def fresh_training_step(module: nn.Module, inputs: tuple) -> None:
     training_step(module, inputs)
 
 
-def timed_against(original: nn.Module, variant: nn.Module, inputs: tuple, repeats: int, *,
-                  min_seconds: float = 1.0, max_repeats: int = 200) -> tuple[float, float]:
-    """(median step seconds of ``variant``, of ``original``), timed alternately after a warm-up.
+def alternated_samples(modules: Sequence[nn.Module], inputs: tuple, repeats: int, *,
+                       min_seconds: float = 1.0, max_repeats: int = 200) -> list[list[float]]:
+    """Seconds of each training step of each of ``modules``, timed in rounds whose order rotates
+    (two modules: alternately), after one warm-up step each (lazy state, compiled code, caches).
 
-    At least ``repeats`` rounds, and more (up to ``max_repeats``) until each side has run for
+    At least ``repeats`` rounds, and more (up to ``max_repeats``) until every module has run for
     ``min_seconds`` in total: a millisecond step needs hundreds of samples to give a median that
-    a noisy machine does not move.
+    a noisy machine does not move. Grads, buffers, training flags and the RNG are as before.
     """
-    device = module_device(original, inputs)
-    times: dict[int, list[float]] = {id(original): [], id(variant): []}
-    with preserved_state(original, variant):
-        original.train()
-        variant.train()
-        for module in (original, variant):
+    device = module_device(modules[0], inputs)
+    times: list[list[float]] = [[] for _ in modules]
+    with preserved_state(*modules):
+        for module in modules:
+            module.train()
             fresh_training_step(module, inputs)
         rounds = 0
-        while rounds < repeats or (rounds < max_repeats and min(
-                sum(t) for t in times.values()) < min_seconds):
-            for module in (original, variant) if rounds % 2 == 0 else (variant, original):
+        while rounds < repeats or (rounds < max_repeats and min(map(sum, times)) < min_seconds):
+            for offset in range(len(modules)):
+                index = (rounds + offset) % len(modules)
                 _sync(device)
                 start = time.perf_counter()
-                fresh_training_step(module, inputs)
+                fresh_training_step(modules[index], inputs)
                 _sync(device)
-                times[id(module)].append(time.perf_counter() - start)
+                times[index].append(time.perf_counter() - start)
             rounds += 1
-    return statistics.median(times[id(variant)]), statistics.median(times[id(original)])
+    return times
+
+
+def timed_against(original: nn.Module, variant: nn.Module, inputs: tuple, repeats: int, *,
+                  min_seconds: float = 1.0, max_repeats: int = 200) -> tuple[float, float]:
+    """(median step seconds of ``variant``, of ``original``), timed alternately
+    (``alternated_samples``)."""
+    original_times, variant_times = alternated_samples(
+        [original, variant], inputs, repeats, min_seconds=min_seconds, max_repeats=max_repeats)
+    return statistics.median(variant_times), statistics.median(original_times)
