@@ -49,7 +49,7 @@ from fxopt.bench.peers import build_peer
 from fxopt.bench.runs import train_peak_bytes
 from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError
-from fxopt.measure.peaks import CUDA_METHOD, measure_train_step
+from fxopt.measure.peaks import CUDA_METHOD, MemoryFigure, measure_train_step
 from fxopt.measure.timing import timed_against
 from fxopt.planning.budget import budget_fraction
 from fxopt.verify.equivalence import verify
@@ -114,7 +114,7 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
     original_peak = original_act = None
     if not args.predict_only:
         original_peak = train_peak_bytes(model, inputs)[0]
-        original_act = exact_activations(model, inputs)
+        original_act = exact_activations(measure_train_step(model, inputs))
         print(f"original: whole-step peak {original_peak / MiB:.1f} MiB (allocator), "
               f"activations at the peak "
               f"{'-' if original_act is None else f'{original_act / MiB:.1f}'} MiB (exact)")
@@ -168,10 +168,10 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
             report(Point("fxopt", fraction, stats.get("budget_bytes"), None, None, None, 0.0,
                          True, note))
             continue
-        measured = measure_train_step(gm, inputs).peak_bytes
+        measured = measure_train_step(gm, inputs)
         slowdown, base = timed_against(model, gm, inputs, args.repeats)
-        report(Point("fxopt", fraction, stats.get("budget_bytes"), measured,
-                     train_peak_bytes(gm, inputs)[0], exact_activations(gm, inputs),
+        report(Point("fxopt", fraction, stats.get("budget_bytes"), measured.peak_bytes,
+                     train_peak_bytes(gm, inputs)[0], exact_activations(measured),
                      slowdown / base, gm.fxopt_report.verification.ok, note))
 
     if args.predict_only or not args.peers:
@@ -190,14 +190,15 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
         eager = peer == "checkpoint_sequential"
         slowdown, base = timed_against(model, variant, inputs, args.repeats)
         report(Point(peer, label, None, None, train_peak_bytes(variant, inputs)[0],
-                     exact_activations(variant, inputs) if eager else None, slowdown / base,
+                     exact_activations(measure_train_step(variant, inputs)) if eager else None,
+                     slowdown / base,
                      equal.ok, note))
     return points, original_act
 
 
-def exact_activations(module: torch.nn.Module, inputs: tuple) -> int | None:
-    """Activations at the training peak, exact (live-storage tracking); None on CUDA."""
-    figure = measure_train_step(module, inputs)
+def exact_activations(figure: MemoryFigure) -> int | None:
+    """Activations at the training peak, exact (live-storage tracking); None on CUDA, whose
+    allocator does not tell them from gradients."""
     return None if figure.method == CUDA_METHOD else figure.activations_at_peak_bytes
 
 
