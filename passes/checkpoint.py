@@ -46,7 +46,7 @@ from fxopt.planning.checkpoint_problem import build_problem
 from fxopt.planning.checkpoint_search import least_memory_plan, search_plan
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
 from fxopt.rewrite.pass_base import PassResult, mark_new
-from fxopt.rewrite.subgraph import extract_subgraph, region_io
+from fxopt.rewrite.subgraph import extract_region, region_io
 from fxopt.runtime.regions import CheckpointedRegion, call_region
 
 PASS_NAME = "checkpoint"
@@ -59,9 +59,10 @@ def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan)
     for number, region in enumerate(plan.regions, start=existing):
         nodes = forward[region.start:region.stop]
         name = f"_fxopt_region_{number}"
-        body = extract_subgraph(gm, nodes, class_name="CheckpointedBody")
-        setattr(gm, name, CheckpointedRegion(body, selective=region.mode == SELECTIVE))
-        _replace_with_call(gm, nodes, name)
+        body, targets = extract_region(gm, nodes, class_name="CheckpointedBody")
+        setattr(gm, name, CheckpointedRegion(body, selective=region.mode == SELECTIVE,
+                                             targets=targets))
+        _replace_with_call(gm, nodes, name, targets)
         records.append({"region": name, "first": nodes[0].name, "last": nodes[-1].name,
                         "nodes": len(nodes), "mode": region.mode,
                         "predicted_extra_ms": round(region.extra_seconds * 1e3, 3),
@@ -70,14 +71,25 @@ def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan)
     return records
 
 
-def _replace_with_call(gm: fx.GraphModule, nodes: list[fx.Node], attr: str) -> None:
+def _replace_with_call(gm: fx.GraphModule, nodes: list[fx.Node], attr: str,
+                       targets: tuple[str, ...]) -> None:
+    """``call_region(self.<attr>, *inputs, *state)``: the state the body reads is looked up on
+    the root by the call site, at call time (an existing ``get_attr`` before the region is
+    reused)."""
     inputs, outputs = region_io(nodes)
     graph = gm.graph
+    looked_up: dict[str, fx.Node] = {}
+    for node in graph.nodes:
+        if node is nodes[0]:
+            break
+        if node.op == "get_attr":
+            looked_up.setdefault(node.target, node)
     with graph.inserting_before(nodes[0]), warnings.catch_warnings():
         # fx warns that a plain attribute is no submodule/parameter/buffer: deliberate here
         warnings.simplefilter("ignore", UserWarning)
         region = mark_new(graph.get_attr(attr), PASS_NAME)
-        call = mark_new(graph.call_function(call_region, (region, *inputs)), PASS_NAME)
+        state = [looked_up.get(t) or mark_new(graph.get_attr(t), PASS_NAME) for t in targets]
+        call = mark_new(graph.call_function(call_region, (region, *inputs, *state)), PASS_NAME)
     if len(outputs) == 1:
         outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in nodes)
     else:

@@ -37,9 +37,13 @@ def _describe_arg(arg: Any) -> str:
     return repr(arg)
 
 
-def compact(gm: fx.GraphModule) -> str:
-    """One line per node, ``name = target(args)``: stable enough to compare against goldens."""
+def compact(gm: fx.GraphModule, root: nn.Module | None = None) -> str:
+    """One line per node, ``name = target(args)``: stable enough to compare against goldens.
+
+    ``root``: the module the graph's targets live on, when ``gm`` holds code only (a region body).
+    """
     lines = []
+    owner = gm if root is None else root
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             lines.append(f"{node.name} = input")
@@ -48,7 +52,7 @@ def compact(gm: fx.GraphModule) -> str:
         else:
             args = [_describe_arg(a) for a in node.args]
             args += [f"{k}={_describe_arg(v)}" for k, v in node.kwargs.items()]
-            lines.append(f"{node.name} = {_describe_target(gm, node)}({', '.join(args)})")
+            lines.append(f"{node.name} = {_describe_target(owner, node)}({', '.join(args)})")
     return "\n".join(lines)
 
 

@@ -97,11 +97,10 @@ from fxopt.capture.trace_checks import (
     user_checkpoints_refused,
     user_frame,
 )
-from fxopt.capture.train_eval import install_eval_graph, same_graph
+from fxopt.capture.train_eval import eval_module_on, install_eval_graph, same_graph
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy
 from fxopt.core.state import preserved_state
-from fxopt.core.torch_private import codegen_of
 from fxopt.runtime.input_guard import InputGuard, TensorSpec, guard_inputs
 
 _ATTRIBUTE_PREFIX = "_fxopt_export_"
@@ -478,7 +477,7 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
         info.mode_dependent = True
     _propagate(model, gm, placeholders, arguments)
     if info.mode_dependent:
-        _propagate(model, codegen_of(gm.graph).eval_forward.eval_module, placeholders, arguments)
+        _propagate(model, eval_module_on(gm), placeholders, arguments)
     specs = _user_input_specs(exports[0], leaf_names) or []
     dynamic_dims = tuple(f"{leaf}.shape[{d}]" for leaf, spec in zip(leaf_names, specs)
                          for d, size in enumerate(spec.dims) if isinstance(size, str))

@@ -88,18 +88,6 @@ def training_flags(module: nn.Module, training: bool) -> Iterator[None]:
             m.training = flag
 
 
-def _region_bodies(module: nn.Module) -> list[nn.Module]:
-    """The bodies of ``module``'s checkpointed regions.
-
-    A body (``fx.GraphModule(root, graph)``) shares the root's submodules, but holds the tensors
-    it reads by ``get_attr`` (a root-level parameter, a weight ``pad_channels`` pads) under its
-    own module tree, which swapping ``module``'s state does not reach.
-    """
-    bodies = [getattr(value, "body", None) for value in vars(module).values()
-              if type(value).__name__ == "CheckpointedRegion"]
-    return [body for body in bodies if isinstance(body, nn.Module)]
-
-
 def _below_first(roots: list[nn.Module]) -> list[nn.Module]:
     """Every module under ``roots`` once, each after every module below it (post-order).
 
@@ -130,8 +118,7 @@ def _own_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def reparametrized(module: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Inside: ``module``'s parameters and buffers are ``state`` (tied weights stay tied), in its
-    checkpointed regions' bodies too.
+    """Inside: ``module``'s parameters and buffers are ``state`` (tied weights stay tied).
 
     Each slot (one module's own parameter or buffer) is swapped by the module that holds it,
     once. A qualified name is a path, not a slot: a submodule registered under two paths gives
@@ -139,7 +126,7 @@ def reparametrized(module: nn.Module, state: dict[str, torch.Tensor]) -> Iterato
     once per name -- the second time saving the stand-in as the "original" -- and restore in
     the same order, leaving the stand-in in the user's module. Stand-ins are matched to slots by
     the identity of the tensor a slot holds: tied weights (two slots, one tensor) get one
-    stand-in, and a region body's own slots get the root's stand-ins.
+    stand-in.
 
     Modules are swapped below-first: ``reparametrize_module`` (``tie_weights=True``) also swaps
     the slots of a module's submodules that hold one of the module's own tensors, so each slot's
@@ -153,7 +140,7 @@ def reparametrized(module: nn.Module, state: dict[str, torch.Tensor]) -> Iterato
     stand_in = {id(real[name]): t for name, t in state.items() if name in real}
     try:
         with contextlib.ExitStack() as stack:
-            for m in _below_first([module, *_region_bodies(module)]):
+            for m in _below_first([module]):
                 swap = {name: stand_in[id(t)] for name, t in _own_tensors(m).items()
                         if id(t) in stand_in}
                 if swap:

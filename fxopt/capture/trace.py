@@ -176,11 +176,10 @@ def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
     constants = {n.target: operator.attrgetter(n.target)(gm) for n in graph.nodes
                  if n.op == "get_attr"}
     eval_module = dispatched_eval_module(graph)
-    if eval_module is not None:
+    if eval_module is not None:  # code only: what its graph reads is on ``shell``
         for node in eval_module.graph.find_nodes(op="get_attr"):
             if node.target not in constants:
-                source = shell if _has_path(shell, node.target) else eval_module
-                constants[node.target] = operator.attrgetter(node.target)(source)
+                constants[node.target] = operator.attrgetter(node.target)(shell)
     share_tree(gm, shell)
     for target, value in constants.items():
         owner_path, _, name = target.rpartition(".")
@@ -252,7 +251,6 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
         for path, module in hooked.items())
     check_state_kept(model, shell)
     gm = graph_module_like(shell, graph)
-    _rebind_regions(gm)
     if not same_graph(graph, eval_graph, shell):
         _attach_constants(gm, shell, eval_graph)
         install_eval_graph(gm, eval_graph)
@@ -261,21 +259,6 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
     info.seconds = time.perf_counter() - start
     gm.meta["fxopt_trace"] = info
     return gm
-
-
-def _rebind_regions(gm: fx.GraphModule) -> None:
-    """Checkpointed regions of a re-traced optimized module, running on ``gm``'s own modules.
-
-    The region objects came over from the traced module, their bodies still calling that
-    module's submodules (which ``gm.train()``/``eval()`` would not reach): give each a body
-    built on ``gm``.
-    """
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and isinstance(region := operator.attrgetter(node.target)(gm),
-                                                   CheckpointedRegion):
-            body = fx.GraphModule(gm, region.body.graph, class_name=type(region.body).__name__)
-            object.__setattr__(gm, node.target, CheckpointedRegion(body,
-                                                                    selective=region.selective))
 
 
 def _attach_constants(gm: fx.GraphModule, shell: nn.Module, graph: fx.Graph) -> None:

@@ -24,6 +24,7 @@ with every module in train mode.
 
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 from torch import fx
 
 from fxopt.core.errors import ExportError, TraceError
+from fxopt.core.modules import code_only_module
 from fxopt.core.torch_private import CodeGen, codegen_of, has_plain_codegen
 from fxopt.runtime.eval_forward import EvalForward
 
@@ -106,10 +108,25 @@ def install_eval_graph(gm: fx.GraphModule, eval_graph: fx.Graph) -> None:
             f"{type(codegen_of(gm.graph)).__name__}, which fxopt cannot combine with a per-mode graph",
             where="forward", hint="pass plain tensors as example inputs, or move the "
             "self.training branch into a submodule and list it in leaf_modules=(...)")
-    eval_module = fx.GraphModule(gm, eval_graph, class_name=f"{type(gm).__name__}Eval")
+    eval_module = code_only_module(eval_graph, gm, f"{type(gm).__name__}Eval")
     gm.graph.set_codegen(ModeDispatchCodeGen(EvalForward(eval_module)))
     gm.recompile()
     refuse_pickling(gm)
+    type(gm).__deepcopy__ = _deepcopy_with_eval_attributes
+
+
+def _deepcopy_with_eval_attributes(self: fx.GraphModule, memo: dict) -> fx.GraphModule:
+    """torch.fx's deep copy keeps only the attributes the train-mode graph reads; the plain
+    attributes only the eval-mode graph reads (a higher-order op's body, a constant) come too."""
+    copied = fx.GraphModule.__deepcopy__(self, memo)
+    graph = eval_graph(self)
+    for node in graph.find_nodes(op="get_attr") if graph is not None else ():
+        owner_path, _, name = node.target.rpartition(".")
+        owner = copied.get_submodule(owner_path)
+        if not hasattr(owner, name):
+            value = operator.attrgetter(node.target)(self)
+            object.__setattr__(owner, name, copy.deepcopy(value, memo))
+    return copied
 
 
 def refuse_pickling(gm: fx.GraphModule) -> None:
@@ -131,6 +148,13 @@ def _refuse_reduce(self: fx.GraphModule) -> Any:
 
 def has_eval_graph(gm: fx.GraphModule) -> bool:
     return isinstance(codegen_of(gm.graph), ModeDispatchCodeGen)
+
+
+def eval_module_on(gm: fx.GraphModule) -> fx.GraphModule | None:
+    """The eval-mode graph as a GraphModule over ``gm``'s own state (for analyses that run it
+    node by node; the dispatching forward itself holds code only)."""
+    graph = eval_graph(gm)
+    return None if graph is None else fx.GraphModule(gm, graph, class_name=f"{type(gm).__name__}Eval")
 
 
 def eval_graph(gm: fx.GraphModule) -> fx.Graph | None:

@@ -12,7 +12,9 @@ dict is covered without a change here.
 from __future__ import annotations
 
 import copy
+import operator
 
+import torch
 from torch import fx, nn
 
 # Every dict or set ``nn.Module.__init__`` gives an instance. On torch 2.14: _parameters,
@@ -185,3 +187,21 @@ def share_tree(target: nn.Module, source: nn.Module) -> None:
     target._parameters = copy.copy(source._parameters)
     target._buffers = copy.copy(source._buffers)
     target._non_persistent_buffers_set = set(source._non_persistent_buffers_set)
+
+
+def code_only_module(graph: fx.Graph, root: nn.Module, class_name: str) -> fx.GraphModule:
+    """A GraphModule of ``graph`` that holds no state of ``root``: its ``forward`` is meant to
+    run with ``root`` (or what stands for it) as ``self``.
+
+    Every attribute the graph reads is a stand-in (an empty module, a zero-size meta tensor), so
+    the module copies and pickles as code (torch.fx re-traces its code on load with the stand-ins
+    as ``self``) and keeps no tensor alive; ``type(module).forward(root, ...)`` is the graph's
+    code on ``root``'s live state.
+    """
+    targets = dict.fromkeys(n.target for n in graph.nodes if n.op in ("get_attr", "call_module"))
+    stand_ins = {}
+    for target in sorted(targets, key=lambda t: t.count(".")):  # owners before their members
+        value = operator.attrgetter(target)(root)
+        stand_ins[target] = (nn.Module() if isinstance(value, nn.Module)
+                             else torch.empty(0, device="meta"))
+    return fx.GraphModule(stand_ins, graph, class_name=class_name)

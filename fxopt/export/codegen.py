@@ -5,9 +5,10 @@
 to it and the outside modules it imports. The module holds:
 
 - a header of small helpers (loading a runtime copy by path, making a module without running
-  its ``__init__``, a zero parameter, torch.fx's attribute copy for region bodies);
-- one class per checkpointed region body, whose ``forward`` is torch.fx's own code generation of
-  the body graph and whose ``__init__`` takes the root's modules exactly as torch.fx does;
+  its ``__init__``, a zero parameter);
+- one class per checkpointed region body, code only: its ``forward`` is torch.fx's own code
+  generation of the body graph, run by the region with the state the call site passes as
+  ``self`` (``fxopt.runtime.regions``);
 - the model class: ``__init__`` rebuilds the module tree (``fxopt.export.module_tree``), attaches the
   constants, the input guard of an export-captured module (``InputGuard`` from the copied
   ``fxopt.runtime.input_guard``, raising the copied ``fxopt.core.errors.InputError``) and the regions (``CheckpointedRegion`` from the copied ``fxopt.runtime.regions``), and
@@ -77,23 +78,6 @@ def _new(cls):
 def _param(shape, dtype, requires_grad):
     return torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=requires_grad)
 
-
-def _copy_attr(root, body, target):
-    """Give ``body`` the module, parameter or buffer ``target`` of ``root`` (as torch.fx does)."""
-    *prefix, name = target.split(".")
-    for item in prefix:
-        source, dest = getattr(root, item), getattr(body, item, None)
-        if source is dest:
-            return
-        if dest is None:
-            dest = torch.nn.Module()
-            setattr(body, item, dest)
-        root, body = source, dest
-    value = getattr(root, name)
-    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-        body.register_buffer(name, value, persistent=name not in root._non_persistent_buffers_set)
-    else:
-        setattr(body, name, value)
 '''
 
 
@@ -170,16 +154,10 @@ def _guard_source(guard: InputGuard, imports: Imports, where: str) -> str:
 
 
 def _region_class(attr: str, region: CheckpointedRegion, name: str, imports: Imports) -> str:
-    graph = region.body.graph
-    targets = tuple(dict.fromkeys(n.target for n in graph.nodes
-                                  if n.op in ("get_attr", "call_module")))
     return (f"class {name}(torch.nn.Module):\n"
-            f"    \"\"\"The body of checkpointed region {attr}.\"\"\"\n\n"
-            f"    def __init__(self, root):\n"
-            f"        super().__init__()\n"
-            f"        for target in {targets!r}:\n"
-            f"            _copy_attr(root, self, target)\n\n"
-            f"{imports.forward_source(graph, f'region {attr}')}\n")
+            f"    \"\"\"The body of checkpointed region {attr}: code run over the state its call "
+            f"site passes.\"\"\"\n\n"
+            f"{imports.forward_source(region.body.graph, f'region {attr}')}\n")
 
 
 def generate(gm: fx.GraphModule, class_name: str) -> Generated:
@@ -199,8 +177,12 @@ def generate(gm: fx.GraphModule, class_name: str) -> Generated:
         body = f"_RegionBody{index}"
         classes.append(_region_class(attr, region, body, imports))
         runtime_class = imports.reference(type(region), f"region {attr}")
-        tree.lines.append(f"object.__setattr__(self, {attr!r}, {runtime_class}({body}(self), "
-                          f"selective={bool(region.selective)!r}))")
+        if region.targets is None:
+            raise ExportError(f"cannot export region {attr}: it holds its own state (an "
+                              "optimized module saved by fxopt 0.1)", where=f"region {attr}",
+                              hint="optimize the model again with this fxopt, then export it")
+        tree.lines.append(f"object.__setattr__(self, {attr!r}, {runtime_class}({body}(), "
+                          f"selective={bool(region.selective)!r}, targets={region.targets!r}))")
     if in_eval is None:
         forward = imports.forward_source(gm.graph, "forward")
     else:

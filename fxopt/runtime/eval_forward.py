@@ -3,7 +3,9 @@
 ``fxopt.capture.train_eval`` installs, in front of the train-mode graph's generated ``forward``,
 ``if not self.training: return fxopt_eval_forward(self, ...)``; ``fxopt_eval_forward`` is an
 ``EvalForward``: the eval-mode graph's code run with the optimized module as ``self``, so both
-graphs use the same submodules, parameters and buffers.
+graphs use the same submodules, parameters and buffers. The eval-mode module is code only
+(``fxopt.core.modules.code_only_module``): it holds no tensor of the model, so nothing a script does
+to the optimized module's state can leave it behind.
 """
 
 from __future__ import annotations

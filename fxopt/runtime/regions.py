@@ -1,21 +1,31 @@
 """Run a piece of a graph under activation checkpointing, without side effects on recompute.
 
-``CheckpointedRegion(body, selective=...)`` is what a checkpointed region of an optimized graph
-calls. In a training forward it runs ``body`` through ``torch.utils.checkpoint.checkpoint`` with
+``CheckpointedRegion(body, targets=..., selective=...)`` is what a checkpointed region of an
+optimized graph calls: ``call_region(self._fxopt_region_0, x, self.conv1, self.bn1)``. The body is
+code only: a GraphModule whose ``forward`` reads ``self.conv1`` & co., run with a ``RootState``
+as ``self`` that holds what the root graph looked up for each of ``targets`` *in this call*. So
+every parameter, buffer, submodule and constant a region uses is resolved through the root module
+when the graph runs, never held by the region: ``load_state_dict(assign=True)``, ``.to()``,
+replacing a Parameter, ``deepcopy`` and FSDP2's parameter swap reach the region as they reach the
+rest of the graph. (A region built with ``targets=None`` runs ``body`` as a module that holds its
+own state: torch.utils.checkpoint's plain behaviour, and how modules saved by fxopt 0.1 load.)
+
+In a training forward the body runs through ``torch.utils.checkpoint.checkpoint`` with
 ``use_reentrant=False`` (works when inputs do not require grad, with frozen parameters, under
 autocast and under DistributedDataParallel) and ``preserve_rng_state=True`` (dropout masks are
-replayed exactly). With grad disabled it just calls ``body``: nothing is recomputed, but the
-region's inputs stay alive until the call returns, so an inference peak can grow by one input
-(``tests/test_checkpoint.py`` records this as an expected failure).
+replayed exactly). Recomputation uses the very objects the forward call resolved. With grad
+disabled the body is just called: nothing is recomputed, but the region's inputs stay alive until
+the call returns, so an inference peak can grow by one input (``tests/test_checkpoint.py``
+records this as an expected failure).
 
 Recomputation would run BatchNorm's running-statistics update a second time (PyTorch's own
-checkpoint does). Here recomputation runs on copies of the buffers the region's modules own,
-swapped in when it starts and swapped out when it ends, so after one training step
-``running_mean``, ``running_var`` and ``num_batches_tracked`` equal the unoptimized model's
-exactly. The real buffers are never written during backward: a module called both inside and
-outside a region (a shared BatchNorm) keeps the buffer its outside call saved for backward at the
-version autograd expects. Buffers that require grad are left in place (recomputation must reach
-them) and are not shielded.
+checkpoint does). Here recomputation runs on copies of the buffers the region reads (the buffers
+of the modules it calls, and the buffer tensors it reads directly), swapped in when it starts and
+swapped out when it ends, so after one training step ``running_mean``, ``running_var`` and
+``num_batches_tracked`` equal the unoptimized model's exactly. The real buffers are never written
+during backward: a module called both inside and outside a region (a shared BatchNorm) keeps the
+buffer its outside call saved for backward at the version autograd expects. Buffers that require
+grad are left in place (recomputation must reach them) and are not shielded.
 
 ``selective=True`` keeps the outputs of convolutions and matmuls (selective activation
 checkpointing) so only the cheap, memory-bound ops are recomputed. Under autocast a selective
@@ -25,8 +35,8 @@ Under ``torch.compile`` the compiled graph does the bookkeeping itself (BatchNor
 updated once, dropout is replayed): a selective region passes SAC's contexts for the same heavy
 ops, a full region none (torch's own full recomputation).
 
-The region object is stored on the GraphModule as a plain attribute, not a submodule: the
-parameters it uses stay registered once, under their original names.
+The region object is stored on the GraphModule as a plain attribute, not a submodule, and holds
+no tensors: a deep copy or a pickle of it copies code, never weights.
 """
 
 from __future__ import annotations
@@ -77,35 +87,80 @@ def _autocast_on() -> bool:
     return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
 
+class RootState:
+    """What a region body reads through ``self``, as the call site resolved it for this call.
+
+    ``self.<target>`` in the body's code gives the value passed for ``target``
+    (``layers.0.weight`` is reached as ``self.layers`` -> ``"0"`` -> ``weight``).
+    """
+
+    def __init__(self, targets: tuple[str, ...], values: tuple[Any, ...]):
+        self._slots: list[tuple[Any, str]] = []
+        for target, value in zip(targets, values, strict=True):
+            owner: Any = self
+            *path, name = target.split(".")
+            for item in path:
+                owner = owner.__dict__.setdefault(item, _Namespace())
+            owner.__dict__[name] = value
+            self._slots.append((owner, name))
+
+    def slots(self) -> list[tuple[Any, str, Any]]:
+        """(owner, attribute name, value) for every value passed."""
+        return [(owner, name, owner.__dict__[name]) for owner, name in self._slots]
+
+
+class _Namespace:
+    """One level of a target path inside ``RootState`` (``layers`` of ``layers.0.weight``)."""
+
+
+def _shieldable(value: Any) -> bool:
+    return (isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+            and not value.requires_grad)
+
+
 @contextlib.contextmanager
-def buffers_shielded(body: torch.nn.Module) -> Iterator[None]:
-    """Recomputation inside this context writes into copies of the region's buffers."""
-    owners = [(module, name, buffer) for module in body.modules()
-              for name, buffer in module.named_buffers(recurse=False)
-              if not buffer.requires_grad]
-    for module, name, buffer in owners:  # assigning a tensor to a buffer's name replaces it
-        setattr(module, name, buffer.detach().clone())
+def buffers_shielded(reads: Any) -> Iterator[None]:
+    """Inside: recomputation writes into copies of the buffers ``reads`` reaches.
+
+    ``reads`` is a ``RootState`` (the buffers of the modules it holds, and the buffer tensors it
+    holds directly) or a module (its buffers and its submodules').
+    """
+    if isinstance(reads, RootState):
+        passed = reads.slots()
+        modules = [value for _, _, value in passed if isinstance(value, torch.nn.Module)]
+        direct = [(owner, name, value) for owner, name, value in passed if _shieldable(value)]
+    else:
+        modules, direct = [reads], []
+    owners, seen = list(direct), set()
+    for module in (m for root in modules for m in root.modules()):
+        if id(module) not in seen:
+            seen.add(id(module))
+            owners += [(module, name, buffer)
+                       for name, buffer in module.named_buffers(recurse=False)
+                       if not buffer.requires_grad]
+    for owner, name, buffer in owners:  # assigning a tensor to a buffer's name replaces it
+        setattr(owner, name, buffer.detach().clone())
     try:
         yield
     finally:
-        for module, name, buffer in owners:
-            setattr(module, name, buffer)
+        for owner, name, buffer in owners:
+            setattr(owner, name, buffer)
 
 
 @contextlib.contextmanager
-def _recomputing(body: torch.nn.Module, inner: contextlib.AbstractContextManager) -> Iterator[None]:
-    with buffers_shielded(body), inner:  # copies made outside SAC's dispatch mode
+def _recomputing(reads: Any, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    with buffers_shielded(reads), inner:  # copies made outside SAC's dispatch mode
         yield
 
 
-def _eager_contexts(body: torch.nn.Module, selective: bool
+def _eager_contexts(reads: Any, selective: bool
                     ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """``checkpoint``'s ``context_fn`` in eager mode: (forward context, recompute context)."""
     if selective and not _autocast_on():
         forward, recompute = create_selective_checkpoint_contexts(_keep_heavy)
     else:
         forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
-    return forward, _recomputing(body, recompute)
+    return forward, _recomputing(reads, recompute)
 
 
 # Under torch.compile: dynamo keeps a ``context_fn`` only if it is a plain function or a
@@ -117,21 +172,42 @@ _COMPILED_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _k
 
 
 class CheckpointedRegion:
-    """Callable that runs ``body`` (a GraphModule over the user's modules) checkpointed."""
+    """Callable that runs ``body`` checkpointed, over the state its call site passes.
 
-    def __init__(self, body: fx.GraphModule, *, selective: bool):
+    ``targets``: the qualified names (on the root module) of what the body reads through
+    ``self``, in the order the call site passes their values after the body's inputs; ``None``
+    for a body that is a module holding its own state.
+    """
+
+    targets: tuple[str, ...] | None = None  # regions pickled before targets existed hold state
+
+    def __init__(self, body: torch.nn.Module, *, selective: bool,
+                 targets: tuple[str, ...] | None = None):
         self.body = body
         self.selective = selective
+        self.targets = None if targets is None else tuple(targets)
+
+    def run(self, reads: Any, *inputs: Any) -> Any:
+        """The body's forward on ``inputs``, reading ``reads`` (a RootState) as ``self``."""
+        if self.targets is None:
+            return self.body(*inputs)
+        return type(self.body).forward(reads, *inputs)
 
     def __call__(self, *args: Any) -> Any:
+        if self.targets is None:
+            inputs, reads = args, self.body
+        else:
+            split = len(args) - len(self.targets)
+            inputs, reads = args[:split], RootState(self.targets, args[split:])
+        function = functools.partial(self.run, reads)
         if not torch.is_grad_enabled():
-            return self.body(*args)
+            return function(*inputs)
         if torch.compiler.is_compiling():
             selective = self.selective and not _autocast_on()
             contexts = {"context_fn": _COMPILED_SELECTIVE} if selective else {}
         else:
-            contexts = {"context_fn": functools.partial(_eager_contexts, self.body, self.selective)}
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
+            contexts = {"context_fn": functools.partial(_eager_contexts, reads, self.selective)}
+        return checkpoint(function, *inputs, use_reentrant=False, preserve_rng_state=True,
                           **contexts, **_SAC_HOOKS)
 
     def __repr__(self) -> str:
@@ -142,5 +218,5 @@ class CheckpointedRegion:
 
 
 def call_region(region: CheckpointedRegion, *args: Any) -> Any:
-    """The graph's call site of a region: ``call_region(self._fxopt_region_0, x, y)``."""
+    """The graph's call site of a region: ``call_region(self._fxopt_region_0, x, self.conv1)``."""
     return region(*args)

@@ -1,0 +1,192 @@
+"""The optimized module and the user's module are interchangeable in a training script.
+
+For each model (a Hugging Face causal LM and an encoder classifier, captured by torch.export; a
+CNN with BatchNorm, captured by symbolic tracing and by torch.export) and each pipeline (the
+default, ``memory_budget="min"``), every operation a training script applies to a module is
+applied to the user's model and to the optimized one alike; then one training step of each must
+give the same loss and the same gradient for every parameter (float tolerance), and the same
+BatchNorm buffers. An operation fxopt does not serve must raise an ``FxoptError`` before any
+compute instead (the test names which).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import fxopt
+from fxopt.core.errors import FxoptError
+
+transformers = pytest.importorskip("transformers")
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                   nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x)).mean((2, 3)))
+
+
+def _llama():
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
+def _bert():
+    config = transformers.BertConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=256, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    return (transformers.BertForSequenceClassification(config),
+            {"input_ids": ids, "labels": torch.tensor([0, 2])})
+
+
+def _cnn():
+    return ConvBN(), {"x": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))}
+
+
+MODELS = {"llama": (_llama, "auto"), "bert": (_bert, "auto"),
+          "cnn-fx": (_cnn, "fx"), "cnn-export": (_cnn, "export")}
+PIPELINES = {"default": {}, "min": {"memory_budget": "min"}}
+
+
+@pytest.fixture(scope="module", params=[(m, p) for m in MODELS for p in PIPELINES],
+                ids=lambda mp: f"{mp[0]}-{mp[1]}")
+def pair(request):
+    """(user's model, optimized module, inputs): built once per model and pipeline."""
+    name, pipeline = request.param
+    build, capture = MODELS[name]
+    torch.manual_seed(0)
+    model, inputs = build()
+    model.train()
+    if name.startswith("cnn"):
+        slim = fxopt.optimize(model, (inputs["x"],), capture=capture, **PIPELINES[pipeline])
+    else:
+        slim = fxopt.optimize(model, (), example_kwargs=inputs, capture=capture,
+                              **PIPELINES[pipeline])
+    if pipeline == "min":
+        assert any(type(v).__name__ == "CheckpointedRegion" for v in vars(slim).values())
+    return model, slim, inputs
+
+
+def _loss(output):
+    if isinstance(output, torch.Tensor):
+        return output.square().mean()
+    return output["loss"]
+
+
+def _step(module, inputs):
+    """Loss, gradients by parameter name, buffers by name after one training step."""
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    loss = _loss(module(**inputs))
+    loss.backward()
+    grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, {n: b.clone() for n, b in module.named_buffers()}
+
+
+def _assert_same_step(slim, model, inputs, *, rtol=1e-5, atol=1e-6):
+    loss, grads, buffers = _step(slim, inputs)
+    ref_loss, ref_grads, ref_buffers = _step(model, inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, ref_grads[name], rtol=rtol, atol=atol + rtol * scale,
+                                   msg=lambda m, name=name: f"grad of {name}: {m}")
+    for name, buffer in buffers.items():
+        torch.testing.assert_close(buffer, ref_buffers[name], rtol=rtol, atol=atol, msg=name)
+
+
+def _copies(pair):
+    """Independent copies of the user's model and the optimized module (sharing nothing)."""
+    model, slim, inputs = pair
+    return copy.deepcopy(model), copy.deepcopy(slim), inputs
+
+
+def _new_state(model):
+    generator = torch.Generator().manual_seed(7)
+    return {k: (torch.randn(v.shape, generator=generator, dtype=v.dtype) * 0.05
+                if v.is_floating_point() else v.clone())
+            for k, v in model.state_dict().items()}
+
+
+def test_optimized_module_shares_the_users_parameters(pair):
+    model, slim, _ = pair
+    ours = dict(slim.named_parameters())
+    assert all(ours[n] is p for n, p in model.named_parameters())
+    assert slim.state_dict().keys() == model.state_dict().keys()
+
+
+def test_deepcopy(pair):
+    model, slim, inputs = _copies(pair)
+    assert not set(map(id, slim.parameters())) & set(map(id, pair[0].parameters()))
+    _assert_same_step(slim, model, inputs)
+
+
+@pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
+def test_load_state_dict(pair, assign):
+    model, slim, inputs = _copies(pair)
+    state = _new_state(model)
+    model.load_state_dict(state, assign=assign)
+    slim.load_state_dict({k: v.clone() for k, v in state.items()}, assign=assign)
+    _assert_same_step(slim, model, inputs)
+
+
+def test_replacing_a_parameter_object(pair):
+    model, slim, inputs = _copies(pair)
+    name, param = next(iter(model.named_parameters()))
+    owner, _, attr = name.rpartition(".")
+    value = torch.randn(param.shape, generator=torch.Generator().manual_seed(5))
+    setattr(model.get_submodule(owner), attr, nn.Parameter(value.clone()))
+    setattr(slim.get_submodule(owner), attr, nn.Parameter(value.clone()))
+    _assert_same_step(slim, model, inputs)
+
+
+def test_freezing_a_submodule(pair):
+    model, slim, inputs = _copies(pair)
+    frozen = [n for n, _ in model.named_children()][0]
+    model.get_submodule(frozen).requires_grad_(False)
+    slim.get_submodule(frozen).requires_grad_(False)
+    _assert_same_step(slim, model, inputs)
+
+
+def test_train_eval_switches(pair):
+    model, slim, inputs = _copies(pair)
+    for module in (model, slim):
+        module.eval()
+    with torch.no_grad():
+        out, ref = slim(**inputs), model(**inputs)
+    torch.testing.assert_close(_loss(out), _loss(ref), rtol=1e-5, atol=1e-6)
+    for module in (model, slim):
+        module.train()
+    _assert_same_step(slim, model, inputs)
+
+
+def test_state_dict_round_trip_through_torch_save(pair):
+    model, slim, inputs = _copies(pair)
+    state = _new_state(model)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    model.load_state_dict(state)
+    slim.load_state_dict(loaded)
+    buffer = io.BytesIO()
+    torch.save(slim.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True).keys() == model.state_dict().keys()
+    _assert_same_step(slim, model, inputs)
