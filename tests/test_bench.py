@@ -155,7 +155,9 @@ def test_bench_ratios_agree_with_the_figures_printed_beside_them():
         name, _peak, unit, mem, times, ratio = line.split()[:6]
         printed[name] = (float(mem), float(times.split("/")[1]), float(ratio.rstrip("?")))
     for name, (_, median, ratio) in printed.items():
-        assert ratio == pytest.approx(median / printed["original"][1], abs=0.011), name
+        # the printed medians carry 4 significant digits and the ratio 2 decimals: on a loaded
+        # machine a ratio of hundreds inherits the medians' rounding (relative 1e-3)
+        assert ratio == pytest.approx(median / printed["original"][1], rel=1e-3, abs=0.011), name
     assert f"train peak: {PEAK_DEFINITION}" in table
 
 
