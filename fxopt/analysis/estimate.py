@@ -4,9 +4,11 @@
 fake tensors (``fxopt.capture.fake_run``: fake parameters that require grad as the real ones do, fake
 buffers, fake inputs) under ``LiveStorageTracker``, the same tracker ``fxopt.measure`` counts real
 CPU runs with. The training figure runs ``fxopt.core.step.training_step`` itself in train mode
-(forward, backward from every differentiable output with the same cotangents, grads starting as
-None); the inference figure is one forward in eval mode under ``torch.no_grad()``, as
-``fxopt.measure`` does both; the module's own flags are restored afterwards. Since a
+(forward, then backward from what ``fxopt.core.step.step_loss`` picks: the model's own loss when
+its output carries one, else every differentiable output with the same random cotangents; grads
+starting as None; ``train_backward_from`` says which); the inference figure is one forward in
+eval mode under ``torch.no_grad()``, as ``fxopt.measure`` does both; the module's own flags are
+restored afterwards. Since a
 GraphModule's generated code is executed, FX's rule of dropping each value after its last use is
 followed as is.
 
@@ -51,7 +53,7 @@ from fxopt.capture.fake_run import (
     training_flags,
 )
 from fxopt.core.errors import BudgetError, InputError
-from fxopt.core.step import as_args, training_step
+from fxopt.core.step import as_args, describe_step, training_step
 from fxopt.core.tensors import storage_bytes, tensors_in
 from fxopt.core.torch_private import FakeTensorMode
 
@@ -66,6 +68,7 @@ class TrainPeak:
     op: str                      # the op whose result made the peak
     fused: FusedStepModel = FusedStepModel()  # the user's optimizer steps fused into backward
     optimizer_step_bytes: int = 0  # temporaries of a fused optimizer step alive at the peak
+    backward_from: str = ""      # what backward started from (``fxopt.core.step.describe_step``)
 
     @property
     def activation_bytes(self) -> int:
@@ -89,6 +92,8 @@ class PeakEstimate:
     optimizer_state_bytes: int = 0  # state of the optimizers fused into backward (not in peaks)
     fused_parameters: int = 0    # parameters whose gradient is freed at their step in backward
     train_optimizer_step_bytes: int = 0  # a fused step's temporaries alive at the training peak
+    train_backward_from: str = ""  # what the training step backpropagated: the model's loss
+    #                                or random cotangents over its outputs (``describe_step``)
 
     @property
     def activation_bytes(self) -> int:
@@ -98,7 +103,7 @@ class PeakEstimate:
                    - self.train_optimizer_step_bytes, 0)
 
 
-def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], None]
+def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], Any]
              ) -> TrainPeak:
     """The peak of ``step`` run on fakes under the tracker (``grad_bytes``: the parameter
     gradients the step left that were alive at the peak; 0 for a step without backward).
@@ -113,7 +118,7 @@ def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, 
         tracker = LiveStorageTracker()
         try:
             with tracker:
-                step(module, run.inputs)
+                described = step(module, run.inputs)
         except Exception as error:  # torch raises many types on fakes; one clear error instead
             raise InputError(
                 f"{type(module).__name__} cannot run on fake tensors, so its peak cannot be "
@@ -124,7 +129,7 @@ def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, 
         baseline = storage_bytes((list(run.state.values()), run.inputs))
         tagged = tracker.tagged_bytes_at_peak
         return TrainPeak(baseline + tracker.peak_bytes, baseline, tagged.get(GRADIENT, 0),
-                         tracker.peak_op, fused, tagged.get(OPTIMIZER_STEP, 0))
+                         tracker.peak_op, fused, tagged.get(OPTIMIZER_STEP, 0), described or "")
 
 
 GRADIENT = "parameter gradient"  # the tracker's tag for an accumulated ``.grad``
@@ -149,9 +154,9 @@ def _inference(module: nn.Module, inputs: tuple) -> None:
         module(*inputs)
 
 
-def _train(module: nn.Module, inputs: tuple) -> None:
+def _train(module: nn.Module, inputs: tuple) -> str:
     with training_flags(module, True), torch.enable_grad():
-        training_step(module, inputs)
+        return describe_step(training_step(module, inputs))
 
 
 def estimate_train_peak(module: nn.Module, example_inputs: Any) -> TrainPeak:
@@ -170,7 +175,7 @@ def estimate_peak(module: nn.Module, example_inputs: Any) -> PeakEstimate:
     inference = _tracked(module, example_inputs, _inference)
     return PeakEstimate(train.bytes, inference.bytes, train.baseline_bytes, train.op,
                         inference.op, train.grad_bytes, train.fused.optimizer_state_bytes,
-                        train.fused.parameters, train.optimizer_step_bytes)
+                        train.fused.parameters, train.optimizer_step_bytes, train.backward_from)
 
 
 def resized_inputs(example_inputs: Any, batch: int, batch_dim: int = 0) -> tuple:

@@ -1,13 +1,34 @@
 """The one definition of "a training step" used by verify, measure, analysis and benchmarks.
 
-A step is: forward, then backward from every floating output that requires grad, seeded with
-deterministic cotangents (drawn from a private generator, so the global RNG and dropout masks
-are untouched). Using random cotangents rather than ``out.sum()`` makes gradient bugs visible that
-a plain sum would hide (e.g. a permutation of outputs).
+A step is a forward, then one backward from what ``step_loss(output)`` picks:
+
+- **The model's own loss**, when the output carries one (``model_loss``): a value named ``loss``
+  in a container fxopt's tree walk knows (``fxopt.core.trees``) at the top of the output -- a
+  mapping's key (``{"loss": ..., "logits": ...}``, Hugging Face's ``ModelOutput``), a dataclass
+  field or a namedtuple field -- that is a floating tensor with one element that requires grad.
+  The step is then ``loss.backward()``: that tensor alone, cotangent 1. This is what the user's
+  training loop runs (``model(input_ids=ids, labels=ids).loss.backward()``), so planning,
+  prediction, measurement and verification see the memory a real step holds: no cotangent for
+  the other outputs (a causal LM's ``batch x sequence x vocab`` logits) and no gradient summed
+  from one. The other outputs are still returned (verification compares their forward values);
+  the gradients compared are the loss's.
+- **Otherwise, every floating output that requires grad**, seeded with deterministic random
+  cotangents (drawn from a private generator, so the global RNG and dropout masks are
+  untouched). Random cotangents rather than ``out.sum()`` make gradient bugs visible that a
+  plain sum would hide (e.g. a permutation of outputs).
+
+Not detected as a loss, on purpose: a plain tuple whose first item is a scalar (Hugging Face's
+``return_dict=False`` output; any model may return an auxiliary scalar first), a ``loss`` nested
+deeper than the top level, a ``loss`` of several elements (per-sample losses: which reduction
+the user applies is unknown) or one that does not require grad (a metric). Those outputs get the
+random-cotangent step, as every output did before.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +36,7 @@ import torch
 from fxopt.core.trees import leaves
 
 COTANGENT_SEED = 1234
+LOSS = "loss"  # the name a model's own loss goes by in its output
 
 
 def as_args(example_inputs: Any) -> tuple:
@@ -37,12 +59,74 @@ def cotangents_for(outputs: list[torch.Tensor], seed: int = COTANGENT_SEED) -> l
     ]
 
 
-def backward_from(output: Any, seed: int = COTANGENT_SEED) -> bool:
-    """Backpropagate from ``output``; returns False when nothing in it requires grad."""
+def _named_loss(output: Any) -> Any:
+    """The value named ``loss`` at the top of ``output`` (None when there is none)."""
+    if isinstance(output, torch.Tensor):
+        return None
+    if isinstance(output, Mapping):  # dict, OrderedDict, ModelOutput (which holds no None key)
+        return output.get(LOSS)
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        fields = {f.name for f in dataclasses.fields(output)}
+        return getattr(output, LOSS) if LOSS in fields else None
+    if isinstance(output, tuple) and LOSS in getattr(output, "_fields", ()):
+        return getattr(output, LOSS)
+    return None
+
+
+def model_loss(output: Any) -> torch.Tensor | None:
+    """The model's own loss in ``output`` (see the module docstring), or None."""
+    loss = _named_loss(output)
+    if (isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() == 1
+            and loss.requires_grad):
+        return loss
+    return None
+
+
+FROM_LOSS = f"the model's loss (output.{LOSS})"  # ``describe_step`` of a step from the loss
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """What one training step backpropagates from an output: ``tensors`` seeded with
+    ``cotangents`` (``torch.autograd.backward(tensors, cotangents)``)."""
+
+    tensors: list[torch.Tensor]
+    cotangents: list[torch.Tensor]
+    from_loss: bool  # True: the model's own loss, cotangent 1; False: random cotangents
+
+    def describe(self) -> str:
+        """``FROM_LOSS``, or ``"random cotangents over 2 outputs"``."""
+        if self.from_loss:
+            return FROM_LOSS
+        return f"random cotangents over {len(self.tensors)} output(s)"
+
+
+def step_loss(output: Any, seed: int = COTANGENT_SEED) -> StepLoss:
+    """What a training step backpropagates from ``output``: the model's loss when it returns
+    one (cotangent 1), else every differentiable output with deterministic random cotangents
+    (empty when nothing requires grad)."""
+    loss = model_loss(output)
+    if loss is not None:
+        return StepLoss([loss], [torch.ones_like(loss)], True)
     outs = differentiable_outputs(output)
-    if not outs:
+    return StepLoss(outs, cotangents_for(outs, seed), False)
+
+
+def describe_step(output: Any) -> str:
+    """What a step backpropagates from ``output``, in words (``StepLoss.describe``), without
+    drawing cotangents."""
+    if model_loss(output) is not None:
+        return FROM_LOSS
+    return StepLoss(differentiable_outputs(output), [], False).describe()
+
+
+def backward_from(output: Any, seed: int = COTANGENT_SEED) -> bool:
+    """Backpropagate what ``step_loss(output)`` picks; returns False when nothing in ``output``
+    requires grad."""
+    step = step_loss(output, seed)
+    if not step.tensors:
         return False
-    torch.autograd.backward(outs, cotangents_for(outs, seed))
+    torch.autograd.backward(step.tensors, step.cotangents)
     return True
 
 

@@ -8,7 +8,9 @@ there the split of the peak into gradients and activations is not known and is r
 gradients, and allocator rounding (512-byte blocks) is included.
 
 A training step is ``fxopt.core.step.training_step`` with every ``.grad`` cleared first (like
-``optimizer.zero_grad(set_to_none=True)``); inference is one forward in eval mode under
+``optimizer.zero_grad(set_to_none=True)``): backward from the model's own loss when its output
+carries one (``loss.backward()``), else from every differentiable output with random cotangents
+(``MemoryFigure.backward_from`` says which); inference is one forward in eval mode under
 ``torch.no_grad()``. Both run under ``preserved_state``: the module's grads, buffers (BatchNorm
 statistics), training flags and the RNG are exactly as before afterwards.
 """
@@ -24,7 +26,7 @@ from torch import nn
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.core.inputs import bind_keywords, refuse_meta_tensors
 from fxopt.core.state import preserved_state
-from fxopt.core.step import as_args, training_step
+from fxopt.core.step import FROM_LOSS, as_args, describe_step, training_step
 from fxopt.core.tensors import module_device, storage_bytes
 from fxopt.measure.allocations import cuda_peak_during
 
@@ -44,6 +46,7 @@ class MemoryFigure:
     inputs_bytes: int
     grads_at_peak_bytes: int        # parameter/input gradients live at the peak
     activations_at_peak_bytes: int  # the rest of what the step added at the peak
+    backward_from: str = ""         # train: what backward started from (core.step.describe_step)
 
     @property
     def step_peak_bytes(self) -> int:
@@ -81,8 +84,11 @@ class MemoryReport:
         return {"train": self.train.as_dict(), "inference": self.inference.as_dict()}
 
     def format(self) -> str:
-        """Three lines: where and how it was measured, then the training and inference peaks."""
-        return "\n".join([f"measured on {self.train.device} by {self.train.method}:",
+        """Three lines: where and how it was measured (and, for a model returning its loss, that
+        the training step backpropagated it), then the training and inference peaks."""
+        loss = (f"; training step: backward from {FROM_LOSS}"
+                if self.train.backward_from == FROM_LOSS else "")
+        return "\n".join([f"measured on {self.train.device} by {self.train.method}{loss}:",
                           "  " + self.train.format(), "  " + self.inference.format()])
 
     def __str__(self) -> str:
@@ -125,9 +131,11 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str,
         else:
             module.eval()
 
+        described: list[str] = []
+
         def run() -> None:
             if mode == "train":
-                training_step(module, inputs)
+                described.append(describe_step(training_step(module, inputs)))
             else:
                 with torch.no_grad():
                     module(*inputs)
@@ -148,6 +156,7 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str,
         peak_bytes=baseline + step_peak, baseline_bytes=baseline, params_bytes=params_bytes,
         buffers_bytes=buffers_bytes, inputs_bytes=input_bytes, grads_at_peak_bytes=grads_at_peak,
         activations_at_peak_bytes=step_peak - grads_at_peak,
+        backward_from=described[-1] if described else "",
     )
 
 

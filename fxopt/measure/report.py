@@ -14,6 +14,7 @@ from fxopt.analysis.estimate import PeakEstimate, estimate_peak
 from fxopt.capture.meta import placeholder_values
 from fxopt.capture.trace import TraceInfo
 from fxopt.core.errors import InputError
+from fxopt.core.step import FROM_LOSS
 from fxopt.measure.peaks import MemoryReport, format_bytes
 from fxopt.rewrite.pipeline import PassRecord
 from fxopt.verify.equivalence import VerifyReport
@@ -187,6 +188,12 @@ def peaks_table(predicted_before: PeakEstimate | str | None, predicted_after: Pe
                      "and inputs;\n   activations: the peak minus those, and minus the "
                      "parameter gradients\n   and any fused optimizer step's temporaries alive "
                      "at it)")
+    if rows and FROM_LOSS in (*(e.train_backward_from for e in both),
+                              *(m.train.backward_from for m in (measured_before, measured_after)
+                                if m is not None)):
+        lines.append(f"  training step: backward from {FROM_LOSS} alone, as loss.backward() "
+                     "(the other outputs\n   get no cotangent; they are held through backward, as "
+                     "by out = model(...))")
     fused = next((e for e in both if e.fused_parameters), None)
     if fused is not None:
         lines.append(f"  fused optimizer step: {fused.fused_parameters} parameters stepped in "

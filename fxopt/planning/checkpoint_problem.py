@@ -64,6 +64,13 @@ def _grad_live_bytes(forward: list[fx.Node], rep: dict[fx.Node, fx.Node | None],
     backward of its producer: the same stretch of nodes over which the value lives in forward.
     Counted per storage (views and in-place results share their base's), for values that
     require grad.
+
+    These are the lifetimes of a step from one scalar, the model's own loss when it returns one
+    (``fxopt.core.step.step_loss``): a causal LM's logits get their gradient only when backward
+    reaches the loss that reads them. The random cotangents of a model without a loss are alive
+    from the start of backward; the problem leaves them, like every plan-independent byte, to
+    the search's overhead (``estimate_train_peak``, which runs that very step, minus the
+    problem's own figure; ``fxopt.planning.checkpoint_search``).
     """
     index = {n: i for i, n in enumerate(forward)}
     span: dict[fx.Node, list[int]] = {}
