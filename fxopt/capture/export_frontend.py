@@ -83,6 +83,7 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
+from fxopt.capture.exception_safe import exception_safe
 from fxopt.capture.export_signature import (
     Placeholder,
     bind_example,
@@ -467,6 +468,8 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
         graphs = [_unlift(e, placeholders, name, attributes, shell, leaf_names) for e in exports]
     for attr, value in attributes.items():
         object.__setattr__(shell, attr, value)
+    for graph in graphs:
+        exception_safe(graph, shell, f"{name}.forward")
     gm = graph_module_like(shell, graphs[0])
     for attr, value in attributes.items():
         if attr not in vars(gm):

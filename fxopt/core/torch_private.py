@@ -196,3 +196,8 @@ __all__ = [
     "unset_fake_temporarily",
     "written_arguments",
 ]
+
+
+# What ``torch.no_grad()`` records as when a graph calls it bare (export's training IR wraps it in
+# ``torch.ops.higher_order.wrap_with_set_grad_enabled`` instead; fxopt.capture.exception_safe).
+BARE_SET_GRAD_ENABLED = torch._C._set_grad_enabled

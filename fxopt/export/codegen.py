@@ -153,29 +153,48 @@ def _guard_source(guard: InputGuard, imports: Imports, where: str) -> str:
             f"{literal(guard.tensors)}, {literal(guard.ranges)}, error={literal(guard.error)})")
 
 
-def _region_class(attr: str, region: CheckpointedRegion, name: str, imports: Imports) -> str:
-    return (f"class {name}(torch.nn.Module):\n"
-            f"    \"\"\"The body of checkpointed region {attr}: code run over the state its call "
-            f"site passes.\"\"\"\n\n"
-            f"{imports.forward_source(region.body.graph, f'region {attr}')}\n")
+def _code_class(name: str, doc: str, graph: fx.Graph, what: str, imports: Imports) -> str:
+    """A module class that holds no state: its ``forward`` is ``graph``'s generated code."""
+    return (f"class {name}(torch.nn.Module):\n    \"\"\"{doc}\"\"\"\n\n"
+            f"{imports.forward_source(graph, what)}\n")
+
+
+def _graph_bodies(gm: fx.GraphModule, attributes: dict[str, Any]) -> dict[str, fx.GraphModule]:
+    """The graphs ``gm`` calls that are plain attributes, not submodules: the bodies of
+    torch.export's scoped calls (``fxopt.runtime.scoped``). They must be code only."""
+    submodules = {name for name, _ in gm.named_modules()}
+    bodies = {t: v for t, v in attributes.items()
+              if isinstance(v, fx.GraphModule) and t not in submodules}
+    for target, body in bodies.items():
+        if body.graph.find_nodes(op="get_attr") or body.graph.find_nodes(op="call_module"):
+            raise ExportError(f"cannot export {target}: a graph body that reads state of its own",
+                              where=f"attribute {target}", hint="report this model to fxopt")
+    return bodies
 
 
 def generate(gm: fx.GraphModule, class_name: str) -> Generated:
     """The source of ``model.py`` for ``gm`` and what it needs (see the module docstring)."""
     imports = Imports()
-    attributes = {n.target: operator.attrgetter(n.target)(gm) for n in gm.graph.nodes
-                  if n.op == "get_attr"}
-    regions = {t: v for t, v in attributes.items() if isinstance(v, CheckpointedRegion)}
     in_eval = eval_graph(gm)
     graphs = [gm.graph, *([in_eval] if in_eval is not None else [])]
+    attributes = {n.target: operator.attrgetter(n.target)(gm) for graph in graphs
+                  for n in graph.find_nodes(op="get_attr")}
+    regions = {t: v for t, v in attributes.items() if isinstance(v, CheckpointedRegion)}
     tree = TreeWriter(imports, called_modules(gm, [*graphs, *(r.body.graph
                                                               for r in regions.values())]))
     tree.module(gm)
     _attach_constants(gm, graphs, tree, regions)
     classes = []
+    for index, (attr, graph_body) in enumerate(_graph_bodies(gm, attributes).items()):
+        body = f"_GraphBody{index}"
+        classes.append(_code_class(body, f"The graph {attr} calls in a scope.", graph_body.graph,
+                                   f"body {attr}", imports))
+        tree.lines.append(f"object.__setattr__(self, {attr!r}, {body}())")
     for index, (attr, region) in enumerate(regions.items()):
         body = f"_RegionBody{index}"
-        classes.append(_region_class(attr, region, body, imports))
+        classes.append(_code_class(
+            body, f"The body of checkpointed region {attr}: code run over the state its call "
+            "site passes.", region.body.graph, f"region {attr}", imports))
         runtime_class = imports.reference(type(region), f"region {attr}")
         if region.targets is None:
             raise ExportError(f"cannot export region {attr}: it holds its own state (an "
