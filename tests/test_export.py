@@ -15,8 +15,7 @@ import fxopt
 import fxopt.export.codegen
 import models_zoo
 from fxopt.cli.targets import load_target
-from fxopt.core.errors import EquivalenceError
-from fxopt.export.writer import ExportError, export, load_exported
+from fxopt.export.writer import ExportBug, ExportError, export, load_exported
 
 TINY_NET = '''
 import torch
@@ -179,8 +178,38 @@ def test_export_that_would_compute_something_else_is_refused(exports, tmp_path, 
         return generated
 
     monkeypatch.setattr("fxopt.export.writer.generate", planted_bug)
-    with pytest.raises(EquivalenceError, match="output"):
+    with pytest.raises(ExportBug, match="computes something else") as info:
         export(gm, tmp_path / "bad", example_inputs=x)
+    assert "bug in fxopt's export" in info.value.hint and "bisect" not in str(info.value)
+    assert "output" in {m.kind for m in info.value.report.mismatches}
+    assert list(tmp_path.iterdir()) == []  # nothing written is left, not even the staging folder
+
+
+def test_export_is_all_or_nothing_into_an_existing_folder(exports, tmp_path, monkeypatch):
+    """A failed export leaves the user's folder as it was; a successful one replaces the files
+    of the previous export there (constants.pt is gone when the new one has none) and keeps the
+    user's own."""
+    _, cases, _ = exports
+    _, x, gm = cases["plain"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "constants.pt").write_bytes(b"old")
+    (out / "manifest.json").write_text('{"files": ["model.py", "constants.pt", "manifest.json"]}')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with monkeypatch.context() as patch:
+        patch.setattr("fxopt.export.writer._write", lambda *a: 1 / 0)  # a crash while writing
+        with pytest.raises(ExportBug, match="writing the files failed: ZeroDivisionError"):
+            export(gm, out, example_inputs=x)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    result = export(gm, out, example_inputs=x)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*result.files, "notes.txt"])
+    assert "constants.pt" not in result.files and (out / "notes.txt").read_text() == "mine"
+    assert load_exported(out).load() is not None
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ExportError, match="a file, not a folder"):
+        export(gm, tmp_path / "file")
 
 
 def test_leaf_class_that_cannot_be_imported_is_a_clear_error(tmp_path):

@@ -156,7 +156,8 @@ class _FallbackTracer(fx.Tracer):
         if isinstance(a, collections.OrderedDict):
             return self.create_node("call_function", type(a),
                                     (super().create_arg(dict(a)),), {})
-        if isinstance(a, (CheckpointedRegion, InputGuard)):
+        if isinstance(a, (CheckpointedRegion, InputGuard, fx.GraphModule)):
+            # fxopt's plain attributes: regions, the guard, the bodies of scoped calls
             name = next((k for k, v in vars(self.root).items() if v is a), None)
             if name is not None:
                 return self.create_node("get_attr", name, (), {})

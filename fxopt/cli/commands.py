@@ -39,8 +39,9 @@ example inputs (one of; zoo, eco and factory targets bring their own):
 exit codes:
   0  ok (check: every run matched)
   1  equivalence mismatch: the optimized model computes something else
-  2  usage, input, trace, configuration or budget error (the message says what to do)
-  3  internal error: a bug in fxopt (rerun with --debug and report the traceback)
+  2  usage, input, trace, configuration, budget or export error (the message says what to do)
+  3  internal error: a bug in fxopt, export bugs included (rerun with --debug and report the
+     traceback); a failed export leaves no --out folder, and an existing one as it was
 """
 
 
@@ -256,6 +257,10 @@ def _optimize(args: argparse.Namespace) -> int:
     from fxopt.bench.before_after import before_after
     from fxopt.export.writer import export
 
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        from fxopt.core.errors import InputError
+        raise InputError(f"--out {args.out} is a file, not a folder", where="--out",
+                         hint="give a folder to export to (new, or one to add the export to)")
     model, inputs = _load(args)
     progress = _progress("fxopt optimize")
     steps = 3 if args.out else 2
@@ -266,7 +271,13 @@ def _optimize(args: argparse.Namespace) -> int:
     comparison = before_after(model, gm, inputs, repeats=args.repeats)
     if args.out:
         progress(2, steps, "exporting")
-        result = export(gm, args.out, example_inputs=inputs)
+        try:  # all or nothing: a failed export leaves no folder (fxopt.export.writer)
+            result = export(gm, args.out, example_inputs=inputs)
+        except Exception:  # what the optimization achieved, then the export's own error
+            progress.close()
+            print(gm.fxopt_report)
+            print(comparison)
+            raise
     progress(steps, steps, "done")
     print(gm.fxopt_report)
     print(comparison)
@@ -410,11 +421,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _print_error(args, error, 1)
         return 1
-    except FxoptError as error:
+    except FxoptError as error:  # a usage error (2), unless the error is a bug's (ExportBug: 3)
         if args.debug:
             raise
-        _print_error(args, error, 2)
-        return 2
+        code = getattr(error, "exit_code", 2)
+        _print_error(args, error, code)
+        return code
     except KeyboardInterrupt:
         for bar in _BARS:
             bar.close()

@@ -7,6 +7,6 @@
 """
 
 from fxopt.core.errors import ExportError
-from fxopt.export.writer import export, load_exported
+from fxopt.export.writer import ExportBug, export, load_exported
 
-__all__ = ["ExportError", "export", "load_exported"]
+__all__ = ["ExportBug", "ExportError", "export", "load_exported"]

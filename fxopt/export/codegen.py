@@ -21,6 +21,7 @@ Names are described in ``fxopt.export.names``, the tree in ``fxopt.export.module
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import keyword
 import operator
 from dataclasses import dataclass, field
@@ -149,8 +150,32 @@ def _guard_source(guard: InputGuard, imports: Imports, where: str) -> str:
         raise ExportError(f"cannot export: the input guard holds a {type(value).__name__}",
                           where=where, hint="report this model to fxopt")
 
-    return (f"{literal(InputGuard)}({literal(guard.model_name)}, {literal(guard.params)}, "
-            f"{literal(guard.tensors)}, {literal(guard.ranges)}, error={literal(guard.error)})")
+    return f"{literal(type(guard))}({', '.join(_constructor_arguments(guard, literal, where))})"
+
+
+def _constructor_arguments(obj: Any, literal: Any, where: str) -> list[str]:
+    """``obj``'s constructor arguments, each written by ``literal``, read from the attributes
+    named like ``__init__``'s parameters (how ``InputGuard`` keeps them), so a field added to
+    the constructor is exported without a change here. A parameter with a default whose
+    attribute is missing is left out; one without is an ``ExportError``."""
+    arguments = []
+    parameters = list(inspect.signature(type(obj)).parameters.values())
+    for parameter in parameters:
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise ExportError(f"cannot export: {type(obj).__name__}'s constructor takes "
+                              f"*{parameter.name}, which its attributes cannot give back",
+                              where=where, hint="report this as an fxopt bug")
+        if not hasattr(obj, parameter.name):
+            if parameter.default is parameter.empty or \
+                    parameter.kind == parameter.POSITIONAL_ONLY:
+                raise ExportError(f"cannot export: {type(obj).__name__} has no attribute "
+                                  f"{parameter.name!r} to rebuild it from", where=where,
+                                  hint="report this as an fxopt bug")
+            continue
+        value = literal(getattr(obj, parameter.name))
+        arguments.append(value if parameter.kind == parameter.POSITIONAL_ONLY
+                         else f"{parameter.name}={value}")
+    return arguments
 
 
 def _code_class(name: str, doc: str, graph: fx.Graph, what: str, imports: Imports) -> str:

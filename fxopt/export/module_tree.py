@@ -3,7 +3,8 @@
 The tree has the same modules under the same names, so ``state_dict()`` keys, their order and
 the parameters' shapes, dtypes and ``requires_grad`` are the original's; tied parameters and a
 module used at two places stay shared. Parameters and buffers start as zeros: the weights come
-from ``load_state_dict``.
+from ``load_state_dict``. Non-persistent buffers (a rotary embedding's ``inv_freq``), which
+``state_dict()`` leaves out, start with their values at export time, from ``constants.pt``.
 
 A module the graph calls (and everything below it) is rebuilt as an instance of its own class the
 way ``pickle`` and ``copy`` make one -- ``cls.__new__``, then ``nn.Module.__init__``, then its
@@ -122,8 +123,10 @@ class TreeWriter:
             if param is not None:
                 own.setdefault(id(param), f"getattr({var}, {name!r})")
         for name, buffer in buffers.items():
-            expr = self._tensor(buffer, f"{where}.{name}", parameter=False)
             persistent = name not in non_persistent_buffers(module)
+            expr = self._tensor(buffer, f"{where}.{name}", parameter=False,
+                                value_key=None if persistent else
+                                f"{path}.{name}" if path else name)
             self.lines.append(f"{var}.register_buffer({name!r}, {expr}, "
                               f"persistent={persistent!r})")
             if buffer is not None:
@@ -136,7 +139,11 @@ class TreeWriter:
         if rebuilt:
             self._attributes(module, path, var, where, own)
 
-    def _tensor(self, tensor: torch.Tensor | None, where: str, *, parameter: bool) -> str:
+    def _tensor(self, tensor: torch.Tensor | None, where: str, *, parameter: bool,
+                value_key: str | None = None) -> str:
+        """A variable for ``tensor``: zeros of its shape and dtype (``load_state_dict`` fills
+        them), or, with ``value_key``, its value from ``constants.pt`` (a non-persistent buffer,
+        which no state_dict carries)."""
         if tensor is None:
             return "None"
         if id(tensor) in self.names:  # tied weights stay tied
@@ -149,6 +156,8 @@ class TreeWriter:
         var = f"t{next(self._count)}"
         if parameter:
             self.lines.append(f"{var} = _param({shape!r}, {dtype}, {tensor.requires_grad!r})")
+        elif value_key is not None:
+            self.lines.append(f"{var} = {self.constant(tensor, value_key)}")
         else:
             self.lines.append(f"{var} = torch.zeros({shape!r}, dtype={dtype})")
         self.names[id(tensor)] = var

@@ -10,7 +10,7 @@
       constants.pt       tensors the graph reads that are not in state_dict (only if any)
       __init__.py        so the folder also imports as a package
       manifest.json      format, class, torch version, files, modules it needs besides torch,
-                         the verification (written last: a folder that failed it has none)
+                         the verification
 
 Use it with ``sys.path.insert(0, "out_dir"); import model; net = model.load()`` (or import the
 folder as a package, or load ``model.py`` by path). ``state_dict()`` keys, order and shapes are
@@ -18,7 +18,15 @@ the original model's, so a checkpoint of the original loads with ``load_state_di
 
 With ``example_inputs`` the written folder is imported back and checked against ``gm`` with
 ``fxopt.verify`` (outputs, gradients, buffers, eval outputs): an export that would compute
-something else raises ``EquivalenceError`` instead of being handed over.
+something else is refused instead of being handed over.
+
+All or nothing: the files are written to a new folder next to ``out_dir`` (``.NAME.*``), checked
+there and only then moved to ``out_dir``. A failed export leaves nothing behind, and an existing
+``out_dir`` as it was; exporting into an existing folder replaces the files of a previous export
+there (the ones its ``manifest.json`` lists) and keeps the others. Failures are ``ExportError``:
+what the model holds that cannot be written as code (the user's to change: the CLI exits 2), or
+``ExportBug`` when fxopt's export itself went wrong -- a crash while generating, generated code
+that does not load or computes something else (the CLI exits 3).
 
 Opaque leaves (submodules torch.fx could not trace) are rebuilt as instances of their own class,
 imported by name from the module that defines it (``from mymodel import Gate``): the folder then
@@ -30,9 +38,14 @@ function or in ``__main__``) makes the export fail with ``ExportError``; see
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,15 +53,26 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.core.errors import ExportError
+from fxopt.core.errors import ExportError, FxoptError
 from fxopt.core.step import as_args
 from fxopt.core.tensors import module_device
-from fxopt.export.codegen import generate, python_identifier
+from fxopt.export.codegen import Generated, generate, python_identifier
 from fxopt.verify.equivalence import VerifyReport, verify
 
 FORMAT = "fxopt.export/1"
 
-__all__ = ["ExportError", "ExportResult", "export", "load_exported"]
+__all__ = ["ExportBug", "ExportError", "ExportResult", "export", "load_exported"]
+
+BUG_HINT = ("this is a bug in fxopt's export, not in the model or in a pass, and nothing was "
+            "written: report it with the traceback (rerun with --debug, or see the exception's "
+            "__cause__); meanwhile use the optimized module from Python")
+
+
+class ExportBug(ExportError):
+    """fxopt's export went wrong (a crash while generating the code, generated code that does
+    not load or computes something else): a bug in fxopt, so the CLI exits 3, not 2."""
+
+    exit_code = 3
 
 
 @dataclass
@@ -95,9 +119,27 @@ def export(gm: fx.GraphModule, out_dir: str | Path, *, example_inputs: Any = Non
         raise ExportError(f"export needs the GraphModule fxopt.optimize returned, got "
                           f"{type(gm).__name__}", hint="export(fxopt.optimize(model, inputs), dir)")
     name = python_identifier(class_name or type(gm).__name__)
-    generated = generate(gm, name)
     folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        raise ExportError(f"cannot export to {folder}: it is a file, not a folder",
+                          where=str(folder), hint="give a folder path (new or existing)")
+    with _internal_errors(name, "generating model.py", f"model.py for {folder}"):
+        generated = generate(gm, name)
+    with _staging(folder) as staging:
+        with _internal_errors(name, "writing the files", f"the files for {folder}"):
+            written = _write(gm, generated, staging, name)
+        result = ExportResult(folder, name, written, list(generated.needs), generated.regions)
+        if example_inputs is not None:  # verified before anything is moved to ``folder``
+            result.verification = _verify_reloaded(gm, staging, as_args(example_inputs), name,
+                                                   f"model.py for {folder}")
+        manifest = {k: v for k, v in result.as_dict().items() if k != "folder"}
+        (staging / "manifest.json").write_text(json.dumps(
+            {**manifest, "torch_version": torch.__version__}, indent=2))
+    return result
+
+
+def _write(gm: fx.GraphModule, generated: Generated, folder: Path, name: str) -> list[str]:
+    """Every file but the manifest; the names written, the manifest's last."""
     files = {"model.py": generated.source, **generated.runtime_files,
              "__init__.py": f'"""{name} exported by fxopt; see model.py."""\n\nfrom .model import '
                             f"{name}, load\n\n__all__ = [{name!r}, 'load']\n"}
@@ -108,28 +150,105 @@ def export(gm: fx.GraphModule, out_dir: str | Path, *, example_inputs: Any = Non
     if generated.constants:
         torch.save(generated.constants, folder / "constants.pt")
         written.append("constants.pt")
-    written.append("manifest.json")
-    result = ExportResult(folder, name, written, list(generated.needs), generated.regions)
-    if example_inputs is not None:  # a folder that fails this gets no manifest
-        result.verification = _verify_reloaded(gm, folder, as_args(example_inputs))
-    manifest = {k: v for k, v in result.as_dict().items() if k != "folder"}
-    (folder / "manifest.json").write_text(json.dumps(
-        {**manifest, "torch_version": torch.__version__}, indent=2))
-    return result
+    return [*written, "manifest.json"]
 
 
-def _verify_reloaded(gm: fx.GraphModule, folder: Path, inputs: tuple) -> VerifyReport:
+@contextlib.contextmanager
+def _internal_errors(name: str, doing: str, where: str) -> Iterator[None]:
+    """An exception other than fxopt's own while ``doing`` is an ``ExportBug`` naming it."""
+    try:
+        yield
+    except FxoptError:
+        raise
+    except OSError as error:  # the disk, not fxopt: the user can act on it
+        raise ExportError(f"cannot export {name}: {doing} failed: {error}", where=where,
+                          hint="check that the folder is writable and the disk has room") \
+            from error
+    except Exception as error:
+        raise ExportBug(f"cannot export {name}: {doing} failed: {type(error).__name__}: "
+                        f"{error}", where=where, hint=BUG_HINT) from error
+
+
+@contextlib.contextmanager
+def _staging(folder: Path) -> Iterator[Path]:
+    """A new folder next to ``folder`` to write into; moved into place only when the body
+    succeeds. On failure it is removed, with any parent folder made for it, and ``folder`` --
+    new or the user's own -- is left as it was."""
+    parent = folder.resolve().parent
+    made = [p for p in [parent, *parent.parents] if not p.exists()]
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".fxopt-export",
+                                        dir=parent))
+    except OSError as error:
+        _remove_empty(made)
+        raise ExportError(f"cannot export to {folder}: {error}", where=str(folder),
+                          hint="check that the folder's parent is writable") from error
+    try:
+        yield staging
+        _move_into(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(made)
+        raise
+
+
+def _move_into(staging: Path, folder: Path) -> None:
+    """Put the staged export at ``folder``: a rename when ``folder`` does not exist; else the
+    files of a previous export there (its manifest's) make way and the new files move in one by
+    one, so the user's other files in it stay."""
+    if not folder.exists():
+        os.replace(staging, folder)
+        return
+    previous = folder / "manifest.json"
+    try:
+        stale = json.loads(previous.read_text()).get("files", []) if previous.is_file() else []
+    except (OSError, ValueError, AttributeError):
+        stale = []
+    new = {p.name for p in staging.iterdir()}
+    for filename in stale:
+        if isinstance(filename, str) and filename not in new and "/" not in filename:
+            (folder / filename).unlink(missing_ok=True)
+    for filename in sorted(new - {"manifest.json"}) + ["manifest.json"]:
+        os.replace(staging / filename, folder / filename)
+    staging.rmdir()
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Remove the folders in ``made`` (deepest first) that are still empty."""
+    for path in made:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+
+
+def _verify_reloaded(gm: fx.GraphModule, folder: Path, inputs: tuple, name: str,
+                     where: str) -> VerifyReport:
     """Import the folder back and prove it computes what ``gm`` computes."""
     try:
         exported: nn.Module = load_exported(folder).load()
     except Exception as error:  # generated code that does not import is a bug: say which
-        raise ExportError(f"the exported module in {folder} does not load: "
-                          f"{type(error).__name__}: {error}", where=str(folder / "model.py"),
-                          hint="report this as an fxopt bug with the folder attached") from error
+        raise ExportBug(f"cannot export {name}: the generated module does not load: "
+                        f"{type(error).__name__}: {error}", where=where,
+                        hint=BUG_HINT) from error
     exported.to(module_device(gm))
     keys, expected = list(exported.state_dict()), list(gm.state_dict())
     if keys != expected:
-        raise ExportError(f"the exported module's state_dict keys differ from the model's: "
-                          f"{sorted(set(keys) ^ set(expected))[:5]}", where=str(folder),
-                          hint="report this as an fxopt bug")
-    return verify(gm, exported, inputs, strict=True)
+        raise ExportBug(f"cannot export {name}: the generated module's state_dict keys differ "
+                        f"from the model's: {sorted(set(keys) ^ set(expected))[:5]}",
+                        where=where, hint=BUG_HINT)
+    with _internal_errors(name, "running the generated module", where):
+        report = verify(gm, exported, inputs)
+    if not report.ok:
+        worst = report.worst()[0]
+        error = ExportBug(
+            f"cannot export {name}: the generated module, loaded back, computes something else "
+            f"than the optimized module it was written from: {len(report.mismatches)} tensor(s) "
+            f"differ; worst: {worst.kind} "
+            f"{worst.name!r}: {worst.detail}\n{report}",
+            where=f"{where}: " + ", ".join(f"{m.kind} {m.name}" for m in report.worst()[:5]),
+            hint=BUG_HINT)
+        error.report = report  # type: ignore[attr-defined]
+        raise error
+    return report

@@ -16,11 +16,13 @@
 A layer is named by its module path and class (``layer1.0.conv1 (Conv2d)``); a function call
 at the model's own level by its node and the source line that made it (``relu:
 x = F.relu(self.conv1(x))``). Parameters saved for backward are not listed: they are counted
-as parameters.
+as parameters (in an ATen-level graph, which reads them with ``get_attr``, as in a module-level
+one). A module fxopt captured or optimized is broken down on its own graph, not traced again.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -106,7 +108,9 @@ def layer_of(gm: fx.GraphModule, node: fx.Node, *, detailed: bool = True) -> str
     stack = node.meta.get("nn_module_stack")
     if stack:
         path, kind = list(stack.values())[-1]
-        return f"{path} ({getattr(kind, '__name__', kind)})" if detailed else path
+        # fx records the class, torch.export its qualified name ("torch.nn.modules.linear.Linear")
+        kind = getattr(kind, "__name__", str(kind).rpartition(".")[2])
+        return f"{path} ({kind})" if detailed else path
     line = user_source_line(node) if detailed else ""
     return f"{node.name}: {line}" if line else node.name
 
@@ -120,6 +124,12 @@ def _size_shape_dtype(value: Any) -> tuple[int, tuple[int, ...], str]:
     return storage_bytes(tensors), tuple(first.shape), str(first.dtype).removeprefix("torch.")
 
 
+def _captured(model: nn.Module) -> bool:
+    """Whether ``model`` is a graph with fake values on its placeholders (fxopt's output)."""
+    return isinstance(model, fx.GraphModule) and all(
+        "val" in node.meta for node in model.graph.find_nodes(op="placeholder"))
+
+
 def saved_tensors(gm: fx.GraphModule) -> tuple[list[SavedTensor], int]:
     """Every tensor saved for backward in ``gm`` (largest first) and their unique bytes."""
     infos = saved_for_backward(gm, placeholder_values(gm))
@@ -131,8 +141,11 @@ def saved_tensors(gm: fx.GraphModule) -> tuple[list[SavedTensor], int]:
         if info.internal_bytes:
             internal.append(SavedTensor("(internal)", (), "", info.internal_bytes,
                                         layer_of(gm, node), (layer_of(gm, node, detailed=False),)))
+    state = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
     saved = []
     for value, users in kept.items():
+        if value.op == "get_attr" and id(_attribute(gm, value.target)) in state:
+            continue  # a parameter or buffer an ATen-level graph reads: counted as such
         nbytes, shape, dtype = _size_shape_dtype(value.meta.get("val"))
         saved.append(SavedTensor(value.name, shape, dtype, nbytes, layer_of(gm, value),
                                  tuple(dict.fromkeys(users))))
@@ -140,9 +153,20 @@ def saved_tensors(gm: fx.GraphModule) -> tuple[list[SavedTensor], int]:
     return everything, sum(s.nbytes for s in everything)
 
 
+def _attribute(gm: fx.GraphModule, target: str) -> Any:
+    try:
+        return operator.attrgetter(target)(gm)
+    except AttributeError:
+        return None
+
+
 def memory_breakdown(model: nn.Module, example_inputs: Any, *,
                      gm: fx.GraphModule | None = None) -> Breakdown:
-    """Measured peak split by kind, and the tensors saved for backward (see the docstring)."""
+    """Measured peak split by kind, and the tensors saved for backward (see the docstring).
+    ``gm``: ``model``'s graph, when already captured; a module fxopt captured or optimized
+    (an ``fx.GraphModule`` with values on its placeholders) is its own graph."""
+    if gm is None and _captured(model):
+        gm = model
     traced = gm if gm is not None else trace(model, example_inputs)
     saved, saved_bytes = saved_tensors(traced)
     fused = estimate_peak(traced, placeholder_values(traced)) if fused_parameters(model) else None
