@@ -317,3 +317,84 @@ def test_left_out_optional_arguments_take_their_defaults():
     torch.testing.assert_close(gm(x), gm.lin(x))
     gm = trace(Optional(), (x, torch.ones(2, 4)))
     assert "mul" in gm.code
+
+
+USER_MODEL = """\
+import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        return x if x.sum() > 0 else -x  # GATE LINE
+
+
+class Wraps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(x) * 2  # WRAPS LINE
+
+
+class RootFails(nn.Module):
+    def forward(self, x):
+        if x.mean() > 0:  # ROOT LINE
+            return x * 2
+        return x
+
+
+class Projects(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).relu()  # SHAPE LINE
+"""
+
+
+def test_a_users_code_under_a_folder_named_fxopt_is_still_the_users(tmp_path):
+    """fxopt tells its own frames by where its packages really are, not by a folder's name: a
+    user's project (or a clone of fxopt, whose tests are user code) may sit under .../fxopt/."""
+    import importlib.util
+
+    import models_zoo
+    import passes
+    import torchvision
+
+    import fxopt
+    from fxopt.capture.trace_checks import is_user_file
+    from fxopt.measure.advice import user_source_line
+
+    path = tmp_path / "fxopt" / "project" / "user_model.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(USER_MODEL)
+    line = {tag: n for n, text in enumerate(USER_MODEL.splitlines(), 1)
+            for tag in ("GATE", "WRAPS", "ROOT", "SHAPE") if f"# {tag} LINE" in text}
+    spec = importlib.util.spec_from_file_location("user_model_in_a_folder_named_fxopt", path)
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+
+    # the zoo's forwards are model code, named like the user's; fxopt's machinery is not
+    assert is_user_file(str(path)) and is_user_file(torchvision.__file__)
+    assert is_user_file(models_zoo.__file__)
+    own = [m.__file__ for m in (fxopt, passes, torch)] + [trace.__code__.co_filename]
+    assert not any(is_user_file(file) for file in own)
+
+    with pytest.raises(TraceError) as info:  # the root's forward fails: user_frame
+        trace(user.RootFails(), torch.randn(2, 4))
+    assert f"<root> at {path}:{line['ROOT']} in forward: if x.mean() > 0:" in info.value.where
+
+    gm = trace(user.Wraps(), torch.randn(2, 4))  # a submodule's forward fails: user_frame
+    (leaf,) = gm.meta["fxopt_trace"].leaves
+    assert f"({path}:{line['GATE']} in forward: return x if x.sum() > 0 else -x" in leaf.reason
+    mul = next(n for n in gm.graph.nodes if n.op == "call_function")  # advice.user_source_line
+    assert user_source_line(mul) == "return self.gate(x) * 2  # WRAPS LINE"
+
+    with pytest.raises(InputError) as info:  # shapes fail: node_source
+        trace(user.Projects(), torch.randn(2, 5))
+    assert info.value.where == (f'node lin (call_module lin) at File "{path}", line '
+                                f"{line['SHAPE']}, in forward: return self.lin(x).relu()  "
+                                "# SHAPE LINE")

@@ -13,6 +13,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
+import os
+import re
+import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,13 +32,49 @@ from fxopt.capture.meta import propagate_meta
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.state import preserved_state
 
-_TORCH_DIR = str(Path(torch.__file__).parent) + "/"  # the slash keeps torchvision out
+# The top-level packages whose frames are fxopt's machinery. ``models_zoo`` (also installed by
+# fxopt) is not among them: its forwards are model code, whose lines a user wants named.
+_OWN_PACKAGES = ("fxopt", "passes")
+_FRAME_LINE = re.compile(r'File "(?P<path>[^"]+)", line \d+')
+
+
+def _package_dir(name: str) -> str | None:
+    """The real directory of the top-level package ``name`` (the one ``import name`` gives),
+    with a trailing separator; None where it is not installed. Found without importing it."""
+    module = sys.modules.get(name)
+    file = getattr(module, "__file__", None)
+    if file is None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        file = spec.origin if spec is not None and spec.has_location else None
+    return None if file is None else os.path.join(Path(file).resolve().parent, "")
+
+
+@functools.cache
+def _not_user_dirs() -> tuple[str, ...]:
+    """torch's directory and those of fxopt's own packages, by where their modules really are:
+    a folder *named* fxopt proves nothing (a clone of fxopt, or the user's own project, may be
+    called that). The trailing separator keeps torchvision out of torch."""
+    dirs = (_package_dir(name) for name in ("torch", *_OWN_PACKAGES))
+    return tuple(d for d in dirs if d is not None)
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether a traceback frame's file is the user's: outside torch and fxopt's own packages.
+    Generated code (``<eval_with_key>.3``, ``<string>``) counts as the user's, as before."""
+    try:
+        real = str(Path(filename).resolve())
+    except (OSError, RuntimeError):
+        real = os.path.abspath(filename)
+    return not real.startswith(_not_user_dirs())
 
 
 def user_frame(error: BaseException) -> str:
-    """The innermost traceback frame outside torch: where in the user's code tracing failed."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not f.filename.startswith(_TORCH_DIR) and "/fxopt/" not in f.filename]
+    """The innermost traceback frame outside torch and fxopt: where in the user's code tracing
+    failed."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if is_user_file(f.filename)]
     if not frames:
         return "unknown source line"
     f = frames[-1]
@@ -45,7 +86,8 @@ def node_source(node: fx.Node) -> str:
     lines = (node.meta.get("stack_trace") or "").splitlines()
     frames = [(line.strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
               for i, line in enumerate(lines) if line.strip().startswith("File ")]
-    user = [f for f in frames if _TORCH_DIR not in f[0] and "/fxopt/" not in f[0]]
+    user = [f for f in frames
+            if (path := _FRAME_LINE.match(f[0])) is None or is_user_file(path["path"])]
     if not user:
         return "unknown source line"
     return f"{user[-1][0]}: {user[-1][1]}"

@@ -32,7 +32,6 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import passes
+from fxopt.capture.trace_checks import is_user_file
 from fxopt.core.tensors import storage_bytes
 from fxopt.core.torch_private import BatchNormBase, DropoutBase
 from fxopt.measure.peaks import format_bytes
@@ -63,8 +63,6 @@ _WEIGHTED = (nn.Linear, nn.modules.conv._ConvNd)
 _FUNCTIONAL_DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                        F.feature_alpha_dropout, torch.dropout, torch.nn.functional.dropout}
 _MODE_AWARE = re.compile(r"\btraining\s*=|\.training\b")  # training=..., self.training
-_TORCH_DIR = str(Path(torch.__file__).parent)
-_FXOPT_DIR = str(Path(__file__).parent)
 
 
 @dataclass(frozen=True)
@@ -183,8 +181,7 @@ def not_multiple_of_8(gm: fx.GraphModule, example_inputs: Any = None) -> list[Li
 def user_source_line(node: fx.Node) -> str:
     """The line of the user's forward that made ``node`` (from its recorded stack trace)."""
     frames = re.findall(r'File "([^"]+)", line \d+, in \S+\n\s*(.*)', node.stack_trace or "")
-    user = [line for path, line in frames
-            if not path.startswith((_TORCH_DIR, _FXOPT_DIR))]
+    user = [line for path, line in frames if is_user_file(path)]
     return user[-1] if user else ""
 
 
