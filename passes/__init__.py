@@ -8,6 +8,7 @@ from __future__ import annotations
 from fxopt.rewrite.registry import PassRegistry, PassSpec
 from passes.causal_attention import causal_attention
 from passes.checkpoint import checkpoint
+from passes.chunked_loss import chunked_loss
 from passes.inplace_activations import inplace_activations
 from passes.pad_channels import pad_channels
 from passes.reorder import reorder
@@ -22,6 +23,11 @@ REGISTRY = PassRegistry([
     PassSpec("causal_attention", causal_attention,
              "attention given a built causal mask runs as is_causal=True, without the mask "
              "(torch.export-captured transformers)", aliases=("causal",)),
+    PassSpec("chunked_loss", chunked_loss,
+             "a language model's head and cross-entropy computed over chunks of tokens: the "
+             "batch x sequence x vocab tensors of the loss are never held "
+             "(outputs='loss': logits the model only returns are not built)",
+             default=False, aliases=("chunked",)),
     PassSpec("checkpoint", checkpoint,
              "recompute the cheapest regions in backward to fit a memory budget",
              default=False, aliases=("ckpt",)),
@@ -29,5 +35,5 @@ REGISTRY = PassRegistry([
 ])
 
 __all__ = ["REGISTRY", "PassRegistry", "PassSpec", "causal_attention", "checkpoint",
-           "inplace_activations",
+           "chunked_loss", "inplace_activations",
            "pad_channels", "reorder"]

@@ -161,6 +161,8 @@ MIN_CHANGED_SHARE = {
     # The random models have no attention, so no mask for it to remove: it must run on every
     # example and leave it unchanged (the property), and tests/test_causal_attention.py shows it act.
     (None, "causal_attention"): 0.0,
+    # Likewise no language-model loss: tests/test_chunked_loss.py shows it act.
+    (None, "chunked_loss"): 0.0,
 }
 
 

@@ -65,6 +65,7 @@ from fxopt.core.modules import (
     share_tree,
     structural_copy,
 )
+from fxopt.runtime.chunked_loss import CHUNKED_LOSS_CALLS
 from fxopt.runtime.input_guard import InputGuard, guard_inputs
 from fxopt.runtime.regions import CheckpointedRegion, call_region
 from fxopt.runtime.scoped import autocast_scope, grad_mode_scope
@@ -104,11 +105,12 @@ class _FallbackTracer(fx.Tracer):
     class (every submodule a leaf), so an optimized module saved with ``torch.save`` loads back."""
 
     def __init__(self, forced_leaves: frozenset[str] | set[str] = frozenset()):
-        # A graph fxopt already checkpointed calls call_region(self._fxopt_region_0, ...), and
-        # one captured by export may call a grad-mode or autocast scope: recorded as those
-        # calls, not traced through (which would drop the checkpointing or the scope).
+        # A graph fxopt already checkpointed calls call_region(self._fxopt_region_0, ...), one
+        # with a chunked loss calls its autograd function, and one captured by export may call
+        # a grad-mode or autocast scope: recorded as those calls, not traced through (which
+        # would drop the checkpointing, the loss's own backward or the scope).
         super().__init__(autowrap_functions=(call_region, guard_inputs, grad_mode_scope,
-                                             autocast_scope))
+                                             autocast_scope, *CHUNKED_LOSS_CALLS))
         self.forced_leaves = forced_leaves
         self.hooked: dict[str, nn.Module] = {}  # path -> module made a leaf for its hooks
         self.record_stack_traces = True

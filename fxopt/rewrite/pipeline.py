@@ -64,7 +64,8 @@ def parse_pass_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
 
 @dataclass
 class Config:
-    """What to run. ``passes=None`` means the registry's default passes."""
+    """What to run. ``passes=None`` means the registry's default passes (with a memory budget,
+    also ``chunked_loss``); the budget goes to ``checkpoint`` and ``chunked_loss``."""
 
     passes: list[PassRequest] | str | None = None
     memory_budget: int | float | str | None = None
@@ -105,9 +106,14 @@ class Config:
                 )
             resolved.append((checkpoint, {}))
             resolved.sort(key=lambda item: order.index(item[0].name))
+        chunked = registry.lookup("chunked_loss")  # the default pipeline under a budget
+        if (self.memory_budget is not None and self.passes is None and chunked is not None
+                and chunked.name not in names):
+            resolved.append((chunked, {}))
+            resolved.sort(key=lambda item: order.index(item[0].name))
         if self.memory_budget is not None:
             for spec, options in resolved:
-                if spec.name == "checkpoint":
+                if spec.name in ("checkpoint", "chunked_loss"):
                     options.setdefault("budget", self.memory_budget)
         return resolved
 

@@ -1,0 +1,352 @@
+"""A language model's head and token-level cross-entropy, computed over chunks of tokens.
+
+``passes.chunked_loss`` rewrites ``loss = cross_entropy(logits_path(linear(hidden, W, b)),
+targets)`` into ``chunked_loss(hidden, W, b, targets, ...)`` (or ``chunked_loss_and_logits``
+when the logits are also used, e.g. returned). The batch x sequence x vocab tensors of the
+original (the saved log-softmax, its gradient, the logits' gradient) never exist: for each chunk of
+``chunk_rows`` tokens the forward computes the chunk's logits, its part of the loss, and the
+gradient of the loss with respect to the chunk's logits, and folds that gradient straight into the
+gradients for ``hidden`` (one row block) and ``W`` (accumulated in place, ``addmm_``) and ``b``.
+Only those are kept for backward (the approach of Liger's fused linear cross-entropy), which
+scales them by the incoming gradient of the loss: exact, because the loss is a scalar.
+
+What the call reproduces, exactly as ``torch.nn.functional.cross_entropy`` computes it:
+
+- ``reduction="mean"``: the sum over tokens whose target is not ``ignore_index``, divided by
+  their number in the *whole* call (not per chunk); no such token at all gives NaN and zero
+  gradients, as cross_entropy does. ``reduction="sum"``: the sum.
+- ``label_smoothing``: ``(1 - e) * nll + e * mean_j(-log_softmax_j)`` per token.
+- ``transforms``: the element-wise ops between the projection and the loss, in order:
+  ``("to", dtype)`` (an upcast), ``("mul", c)``, ``("div", c)`` (logit scaling), ``("tanh",)``
+  (with a mul and a div around it: Gemma 2's logit soft-cap).
+- ``row_slices``: ``(dim, start, stop, step)`` slices of the logits' leading dimensions taken
+  before the loss (Hugging Face's older causal shift, ``logits[..., :-1, :]``). ``targets`` are
+  then the targets of the sliced rows; the other rows count as ignored.
+
+Under autocast, the loss is computed in float32 as autocast computes ``cross_entropy``; a weight
+gradient in another dtype than the chunk's logit gradient is accumulated through one temporary
+per chunk instead of in place. The logits returned by ``chunked_loss_and_logits`` are the
+projection's output after the first ``logits_transforms`` of ``transforms`` (what the model
+returned: Hugging Face's upcast, Gemma 2's soft-cap), written chunk by chunk; a gradient through
+them (distillation) reaches ``hidden``, ``W`` and ``b`` in backward, rebuilding each chunk's
+logits there when the transforms need them. Without grad (or when no input requires it) the
+call computes the loss alone, chunk by chunk. ``CHUNKED_LOSS_CALLS``: the functions a graph
+calls, which ``fxopt.capture.trace`` records as calls when an optimized module is traced again.
+
+Not handled: class weights, ``reduction="none"``, probability targets (the pass refuses them).
+A second backward through the same call (``retain_graph=True``) raises autograd's error about a
+tensor modified in place: backward scales the kept gradients in place, so no second copy of the
+head's weight gradient is ever made. Under ``create_graph=True`` the gradients are not
+differentiable again (``once_differentiable``).
+
+``LogitsNotComputed``: what an output that held the logits holds in a training step after a
+rewrite with ``outputs="loss"`` (the caller reads only the loss; ``logits_unless_grad``): using
+it raises an error that says why. With grad disabled the logits are computed as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class LogitsNotComputed:
+    """Stands where a model returned its logits, after ``chunked_loss(outputs="loss")``."""
+
+    __slots__ = ("what",)
+    # how fxopt.verify recognises it, and the copies of this class an exported module holds
+    fxopt_not_computed = True
+
+    def __init__(self, what: str = "logits"):
+        object.__setattr__(self, "what", what)
+
+    def _message(self) -> str:
+        return (f"the model's {self.what} were not computed: it was optimized with "
+                "passes=[..., ('chunked_loss', {'outputs': 'loss'})], which computes the loss "
+                "in chunks and never builds the full logits; optimize without outputs='loss' "
+                "to get them, or call the model under torch.no_grad()")
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(self._message())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(self._message())
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        found = next((a for a in (*args, *(kwargs or {}).values())
+                      if isinstance(a, LogitsNotComputed)), cls())
+        raise RuntimeError(found._message())
+
+    def __getitem__(self, key: Any) -> Any:
+        raise RuntimeError(self._message())
+
+    def __iter__(self) -> Any:
+        raise RuntimeError(self._message())
+
+    def __len__(self) -> int:
+        raise RuntimeError(self._message())
+
+    def __bool__(self) -> bool:
+        raise RuntimeError(self._message())
+
+    def __repr__(self) -> str:
+        return f"LogitsNotComputed({self.what!r})"
+
+    def __reduce__(self) -> Any:
+        return (LogitsNotComputed, (self.what,))
+
+    def __deepcopy__(self, memo: dict) -> LogitsNotComputed:
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LogitsNotComputed) and other.what == self.what
+
+    def __hash__(self) -> int:
+        return hash(("LogitsNotComputed", self.what))
+
+
+def logits_unless_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       *, transforms: tuple = ()) -> torch.Tensor | LogitsNotComputed:
+    """What an ``outputs="loss"`` graph returns where the model returned its logits: with grad
+    enabled (a training step) a ``LogitsNotComputed``; with grad disabled (evaluation under
+    ``torch.no_grad()``, where nothing is saved for backward) the logits as the model computed
+    them, ``transforms(linear(hidden, weight, bias))``."""
+    if torch.is_grad_enabled():
+        return LogitsNotComputed("logits")
+    logits = F.linear(hidden, weight, bias)
+    logits, _ = _forward_transforms(logits, tuple(transforms), need_grad=False)
+    return logits
+
+
+def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 targets: torch.Tensor, *, chunk_rows: int, ignore_index: int = -100,
+                 label_smoothing: float = 0.0, reduction: str = "mean",
+                 transforms: tuple = (), row_slices: tuple = ()) -> torch.Tensor:
+    """``cross_entropy(transforms(linear(hidden, weight, bias))[row_slices].flatten, targets)``
+    over chunks of ``chunk_rows`` tokens; the logits are never built whole."""
+    options = (int(chunk_rows), ignore_index, float(label_smoothing), reduction,
+               tuple(transforms), tuple(row_slices), None)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, options)[0]
+
+
+def chunked_loss_and_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None, targets: torch.Tensor, *,
+                            chunk_rows: int, ignore_index: int = -100,
+                            label_smoothing: float = 0.0, reduction: str = "mean",
+                            transforms: tuple = (), row_slices: tuple = (),
+                            logits_transforms: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunked_loss``, and the logits after the first ``logits_transforms`` of
+    ``transforms`` (the whole logits, written chunk by chunk), differentiable through both."""
+    options = (int(chunk_rows), ignore_index, float(label_smoothing), reduction,
+               tuple(transforms), tuple(row_slices), int(logits_transforms))
+    loss, logits = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, options)
+    return loss, logits
+
+
+# what an optimized graph calls: recorded as calls, not traced through, when it is traced again
+CHUNKED_LOSS_CALLS = (chunked_loss, chunked_loss_and_logits, logits_unless_grad)
+
+
+def full_targets(targets: torch.Tensor, lead: torch.Size, row_slices: tuple,
+                 ignore_index: int) -> torch.Tensor:
+    """One target per row of the unsliced logits (flattened): ``ignore_index`` where the loss
+    did not look."""
+    if not row_slices:
+        return targets.reshape(-1)
+    full = targets.new_full(tuple(lead), ignore_index)
+    view = full
+    for dim, start, stop, step in row_slices:
+        view = view[(slice(None),) * dim + (slice(start, stop, step),)]
+    view.copy_(targets.reshape(view.shape))
+    return full.reshape(-1)
+
+
+def _forward_transforms(z: torch.Tensor, transforms: tuple, need_grad: bool
+                        ) -> tuple[torch.Tensor, list[tuple[str, Any]]]:
+    """``transforms`` applied to ``z`` (a temporary this function may overwrite), and what
+    their backward needs."""
+    steps: list[tuple[str, Any]] = []
+    y = z
+    for transform in transforms:
+        kind = transform[0]
+        if kind == "to":
+            steps.append(("to", y.dtype))
+            y = y.to(transform[1])
+        elif kind == "mul":
+            y = y.mul_(transform[1])
+            steps.append(("mul", transform[1]))
+        elif kind == "div":
+            y = y.div_(transform[1])
+            steps.append(("div", transform[1]))
+        elif kind == "tanh":
+            y = y.tanh_()
+            steps.append(("tanh", (1 - y.square()) if need_grad else None))
+        else:
+            raise ValueError(f"chunked_loss: unknown logit transform {transform!r}")
+    return y, steps
+
+
+def _backward_transforms(grad: torch.Tensor, steps: list[tuple[str, Any]]) -> torch.Tensor:
+    for kind, value in reversed(steps):
+        if kind == "to":
+            grad = grad.to(value)
+        elif kind == "mul":
+            grad = grad.mul_(value)
+        elif kind == "div":
+            grad = grad.div_(value)
+        else:  # tanh: value is 1 - tanh(x)^2
+            grad = grad.mul_(value)
+    return grad
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Inputs ``hidden, weight, bias, targets, options``; outputs ``(loss, logits or None)``.
+    ``options``: ``(chunk_rows, ignore_index, label_smoothing, reduction, transforms,
+    row_slices, logits_transforms)``, the last None when no logits are returned."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, options: tuple) -> Any:
+        rows_per_chunk, ignore_index, smoothing, reduction, transforms, row_slices, keep = options
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"chunked_loss: reduction {reduction!r} is not 'mean' or 'sum'")
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
+        need_grad = need_h or need_w or need_b
+        autocast = torch.is_autocast_enabled(hidden.device.type)
+        size, vocab = hidden.shape[-1], weight.shape[0]
+        lead = hidden.shape[:-1]
+        flat = hidden.reshape(-1, size)
+        rows = flat.shape[0]
+        target = full_targets(targets, lead, row_slices, ignore_index)
+        if target.numel() != rows:
+            raise ValueError(f"chunked_loss: {target.numel()} targets for {rows} rows of logits")
+        valid = target != ignore_index
+        count = valid.sum()
+        grad_h = torch.empty_like(flat) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b else None
+        out_dtype = _loss_dtype(flat, weight, transforms, autocast)
+        total = torch.zeros((), dtype=torch.promote_types(out_dtype, torch.float32),
+                            device=hidden.device)
+        grad_scale = None
+        if reduction == "mean":
+            grad_scale = torch.where(count > 0, 1.0 / count.to(total.dtype), 0.0)
+        prefix, rest = transforms[:keep or 0], transforms[keep or 0:]
+        logits = None
+        for start in range(0, rows, max(1, rows_per_chunk)):
+            stop = min(start + max(1, rows_per_chunk), rows)
+            h = flat[start:stop]
+            z = F.linear(h, weight, bias)
+            y, steps = _forward_transforms(z, prefix, need_grad)
+            if keep is not None:
+                if logits is None:
+                    logits = y.new_empty((rows, vocab))
+                logits[start:stop].copy_(y)
+            y, more = _forward_transforms(y, rest, need_grad)
+            steps += more
+            if autocast and y.dtype in _LOW_PRECISION:  # as autocast runs cross_entropy
+                steps.append(("to", y.dtype))
+                y = y.float()
+            t, ok = target[start:stop], valid[start:stop]
+            safe = t.masked_fill(~ok, 0).unsqueeze(1)
+            lse = torch.logsumexp(y, dim=1)
+            row = lse - y.gather(1, safe).squeeze(1) * (1.0 - smoothing)
+            if smoothing:
+                row = row - y.mean(dim=1) * smoothing
+            total += torch.where(ok, row, 0).sum(dtype=total.dtype)
+            if not need_grad:
+                continue
+            # d loss / d y = softmax(y) - (1 - e) * onehot(t) - e / V on counted rows, scaled
+            grad = y.sub_(lse.unsqueeze(1)).exp_()
+            grad.scatter_add_(1, safe, torch.full_like(safe, smoothing - 1.0, dtype=grad.dtype))
+            if smoothing:
+                grad.sub_(smoothing / vocab)
+            scale = ok.to(grad.dtype) if grad_scale is None else ok.to(grad.dtype) * grad_scale
+            grad.mul_(scale.unsqueeze(1))
+            _accumulate(_backward_transforms(grad, steps).to(z.dtype), h, weight,
+                        grad_h[start:stop] if need_h else None, grad_w, grad_b)
+        if logits is None and keep is not None:
+            logits = F.linear(flat[:0], weight, bias).new_empty((0, vocab))
+        loss = (total / count if reduction == "mean" else total).to(out_dtype)
+        kept = [grad_h, grad_w, grad_b]
+        ctx.has = tuple(g is not None for g in kept)
+        ctx.lead, ctx.rows_per_chunk, ctx.prefix = lead, max(1, rows_per_chunk), prefix
+        ctx.has_bias = bias is not None
+        inputs = [flat, weight] + ([bias] if bias is not None else []) if (
+            keep is not None and need_grad) else []
+        ctx.save_for_backward(*[g for g in kept if g is not None], *inputs)
+        ctx.set_materialize_grads(False)
+        if logits is None:
+            return loss, None
+        return loss, logits.view(*lead, vocab)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor | None, grad_logits: torch.Tensor | None
+                 ) -> tuple:
+        saved = list(ctx.saved_tensors)
+        grads = [saved.pop(0) if has else None for has in ctx.has]
+        # the kept gradients are consumed: scaled in place, so no second copy is ever made
+        if grad_loss is not None:
+            grads = [None if g is None else g.mul_(grad_loss) for g in grads]
+        else:
+            grads = [None if g is None else g.zero_() for g in grads]
+        grad_h, grad_w, grad_b = grads
+        if grad_logits is not None and saved:
+            flat, weight = saved[0], saved[1]
+            bias = saved[2] if ctx.has_bias else None
+            rows = flat.shape[0]
+            gl = grad_logits.reshape(rows, -1)
+            for start in range(0, rows, ctx.rows_per_chunk):
+                stop = min(start + ctx.rows_per_chunk, rows)
+                h, dz = flat[start:stop], gl[start:stop]
+                if ctx.prefix:  # rebuild the chunk's logits to differentiate the transforms
+                    z = F.linear(h, weight, bias)
+                    _, steps = _forward_transforms(z, ctx.prefix, need_grad=True)
+                    dz = _backward_transforms(dz.clone(), steps).to(z.dtype)
+                _accumulate(dz, h, weight, None if grad_h is None else grad_h[start:stop],
+                            grad_w, grad_b, add=True)
+        if grad_h is not None:
+            grad_h = grad_h.view(*ctx.lead, grad_h.shape[-1])
+        return grad_h, grad_w, grad_b, None, None
+
+
+def _accumulate(dz: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                grad_h: torch.Tensor | None, grad_w: torch.Tensor | None,
+                grad_b: torch.Tensor | None, add: bool = False) -> None:
+    """Fold one chunk's logit gradient ``dz`` into the gradients for the chunk's hidden rows
+    (written, or added with ``add``), the weight and the bias (added, in place)."""
+    if grad_h is not None:
+        if not add and grad_h.dtype == dz.dtype == weight.dtype:
+            torch.mm(dz, weight, out=grad_h)
+        elif not add:
+            grad_h.copy_(torch.mm(dz, weight.to(dz.dtype)))
+        else:
+            grad_h.add_(torch.mm(dz, weight.to(dz.dtype)))
+    if grad_w is not None:
+        if grad_w.dtype == dz.dtype == h.dtype:
+            grad_w.addmm_(dz.t(), h)
+        else:
+            grad_w.add_(torch.mm(dz.t(), h.to(dz.dtype)))
+    if grad_b is not None:
+        grad_b.add_(dz.sum(dim=0))
+
+
+def _loss_dtype(flat: torch.Tensor, weight: torch.Tensor, transforms: tuple,
+                autocast: bool) -> torch.dtype:
+    """The dtype cross_entropy would have returned."""
+    dtype = torch.get_autocast_dtype(flat.device.type) if autocast else torch.result_type(
+        flat, weight)
+    for transform in transforms:
+        if transform[0] == "to":
+            dtype = transform[1]
+    if autocast and dtype in _LOW_PRECISION:
+        dtype = torch.float32
+    return dtype
