@@ -256,8 +256,10 @@ def test_an_export_captured_module_pickles_with_its_input_guard(tmp_path):
     torch.save(gm, tmp_path / "gm.pt")
     loaded = torch.load(tmp_path / "gm.pt", weights_only=False)
     torch.testing.assert_close(loaded(x), gm(x), rtol=0, atol=0)
-    with pytest.raises(fxopt.InputError, match="x.shape\\[1\\] == 5 only"):
-        loaded(torch.randn(2, 6, WIDTH))
+    other = torch.randn(3, 7, WIDTH)  # batch and length stay dynamic through the pickle
+    torch.testing.assert_close(loaded(other), gm(other), rtol=0, atol=0)
+    with pytest.raises(fxopt.InputError, match=f"x.shape\\[2\\] == {WIDTH} only"):
+        loaded(torch.randn(2, 5, WIDTH + 1))
 
 
 def test_an_export_captured_checkpointed_gpt_exports_as_a_folder_that_guards_its_inputs(
@@ -282,15 +284,15 @@ def test_an_export_captured_checkpointed_gpt_exports_as_a_folder_that_guards_its
         import torch, folder
         net = folder.load()
         try:
-            net(torch.zeros(4, {LENGTH - 1}, dtype=torch.long))
+            net(torch.zeros(4, 1, dtype=torch.long))
         except Exception as error:
             print(type(error).__name__, str(error).splitlines()[0])
     """)
     done = subprocess.run([sys.executable, "-S", "-I", "-c", script], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith(f"InputError GPT was captured by torch.export for "
-                                  f"idx.shape[1] == {LENGTH} only"), done.stdout
+    assert done.stdout.startswith("InputError GPT was captured by torch.export for "
+                                  "idx.shape[1] in [2, inf]"), done.stdout
 
 
 def test_least_memory_plan_of_the_gpt_uses_no_more_than_any_fraction(gpt):

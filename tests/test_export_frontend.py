@@ -121,16 +121,16 @@ def test_outputs_and_gradients_equal_the_models_with_dropout_active(gpt):
     assert not torch.equal(seeded(gm, idx, seed=1), seeded(gm, idx, seed=2))
 
 
-def test_batch_is_dynamic_and_other_sizes_are_refused(gpt):
+def test_batch_and_length_are_dynamic_and_a_batch_of_one_is_served(gpt):
     model, idx, gm = gpt
-    assert gm.meta["fxopt_export"] == ExportInfo(dynamic=("idx.shape[0]",))
-    other = torch.randint(0, VOCAB, (3, 8))
-    assert torch.equal(seeded(gm, other), seeded(model, other))
-    with pytest.raises(InputError) as error:
-        gm(torch.randint(0, VOCAB, (4, 7)))
-    assert error.value.where.endswith("idx.shape[1]") and "== 8" in error.value.what
-    with pytest.raises(InputError, match=r"idx.shape\[0\] in \[2, inf\]"):
-        gm(torch.randint(0, VOCAB, (1, 8)))
+    info = gm.meta["fxopt_export"]
+    assert info.dynamic == ("idx.shape[0]", "idx.shape[1]") and info.batch_of_one
+    for shape in [(3, 8), (4, 7), (2, 32), (1, 8), (1, 5)]:
+        other = torch.randint(0, VOCAB, shape)
+        assert torch.equal(seeded(gm, other), seeded(model, other)), shape
+    with pytest.raises(InputError) as error:  # a length of 1 is traced apart: refused
+        gm(torch.randint(0, VOCAB, (4, 1)))
+    assert error.value.where.endswith("idx.shape[1]") and "in [2, inf]" in error.value.what
     with pytest.raises(InputError, match="dtype"):
         gm(idx.to(torch.int32))
 
@@ -234,8 +234,9 @@ def test_keyword_inputs_loss_and_output_type(tiny_lm):
         gm(ids, attention_mask=mask, labels=None)
     with pytest.raises(TypeError):
         gm(ids, attention_mask=mask)
-    with pytest.raises(InputError, match=r"labels.shape\[0\] == input_ids.shape\[0\]"):
-        gm(ids, attention_mask=mask, labels=labels[:1])
+    with pytest.raises(InputError, match=r"labels.shape\[0\] = 1") as error:
+        gm(ids, attention_mask=mask, labels=labels[:1])  # the loss pairs logits with labels
+    assert "torch.export recorded this condition while tracing forward" in error.value.what
 
 
 @dataclass
@@ -413,7 +414,9 @@ def test_checkpoint_and_inplace_passes_on_the_captured_graph():
     result = inplace_activations(gm)
     assert verify(model, result.graph_module, (idx,)).ok
 
-    result = checkpoint(gm, budget=0.8, profile=False)  # plan from the cost model: fast, stable
+    # plan from the cost model: fast, stable. (0.85: with symbolic lengths the least memory the
+    # solver finds is 0.80 or 0.82 of the activations depending on PYTHONHASHSEED.)
+    result = checkpoint(gm, budget=0.85, profile=False)
     assert result.modified and result.stats["regions_count"] >= 1
     assert result.stats["predicted_after"] <= result.stats["budget_bytes"]
     report = verify(model, result.graph_module, (idx,))
@@ -425,15 +428,32 @@ def test_checkpoint_and_inplace_passes_on_the_captured_graph():
 # -- optimizing a captured module again
 
 
-def test_rebuilt_modules_keep_the_constants_only_the_eval_graph_reads(gpt):
-    """Re-tracing an exported module with torch.fx turns the eval graph's arange/tril into
-    tensor constants of their own; a module rebuilt from the train graph (checkpoint's
-    candidates, reorder's schedules) must carry them, or eval mode fails."""
+class FixedLengthGPT(GPT):
+    """The whole position table is added: the model fixes the length, so the graph builds its
+    causal mask from constant sizes."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        h = self.drop(self.tok(idx) + self.pos.weight)
+        mask = torch.tril(torch.ones(T, T, device=idx.device)).bool()
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.head(self.ln_f(h))
+
+
+def test_rebuilt_modules_keep_the_constants_only_the_eval_graph_reads():
+    """Re-tracing an exported module with torch.fx turns the eval graph's arange/tril of
+    constant sizes into tensor constants of their own; a module rebuilt from the train graph
+    (checkpoint's candidates, reorder's schedules) must carry them, or eval mode fails."""
     from fxopt.capture.trace import graph_module_like
     from fxopt.capture.train_eval import eval_graph
     from fxopt.core.torch_private import copy_codegen
 
-    model, idx, gm = gpt
+    torch.manual_seed(0)
+    model = FixedLengthGPT(max_len=8)
+    idx = torch.randint(0, VOCAB, (4, 8))
+    gm = capture_with_export(model, (idx,))
+    assert gm.meta["fxopt_export"].dynamic == ("idx.shape[0]",)
     traced = trace(gm, (idx,))
     train_reads = {n.target for n in traced.graph.find_nodes(op="get_attr")}
     eval_only = {n.target for n in eval_graph(traced).find_nodes(op="get_attr")} - train_reads
@@ -473,10 +493,11 @@ def test_the_guard_is_a_runtime_object_that_pickles(gpt):
     from fxopt.runtime.input_guard import InputGuard
 
     _, idx, gm = gpt
-    (guard,) = [v for v in vars(gm).values() if isinstance(v, InputGuard)]
+    guard = gm._fxopt_input_guard  # the train graph's (the eval graph has one of its own)
+    assert isinstance(guard, InputGuard)
     assert type(guard).__module__ == "fxopt.runtime.input_guard" and guard.error is InputError
     copy = pickle.loads(pickle.dumps(guard))
     assert copy == guard and hash(copy) == hash(guard)
-    with pytest.raises(InputError, match=r"idx.shape\[1\] == 8"):
-        copy(torch.randint(0, VOCAB, (4, 7)))
+    with pytest.raises(InputError, match=r"idx.shape\[1\] in \[2, inf\]"):
+        copy(torch.randint(0, VOCAB, (4, 1)))
     assert copy(idx) is None

@@ -348,8 +348,6 @@ def test_aten_activations_become_inplace_overloads():
         AtenActs(), (torch.randn(3, 4),),
         golden_before="""
             x = input
-            _fxopt_input_guard = @_fxopt_input_guard()
-            guard_inputs = guard_inputs(_fxopt_input_guard, x)
             a_weight = @a.weight()
             a_bias = @a.bias()
             b_weight = @b.weight()
@@ -358,6 +356,8 @@ def test_aten_activations_become_inplace_overloads():
             c_bias = @c.bias()
             d_weight = @d.weight()
             d_bias = @d.bias()
+            _fxopt_input_guard = @_fxopt_input_guard()
+            guard_inputs = guard_inputs(_fxopt_input_guard, x, state=[a_weight, a_bias, b_weight, b_bias, c_weight, c_bias, d_weight, d_bias])
             linear = linear.default(x, a_weight, a_bias)
             relu = relu.default(linear)
             linear_1 = linear.default(relu, b_weight, b_bias)
@@ -370,8 +370,6 @@ def test_aten_activations_become_inplace_overloads():
         """,
         golden_after="""
             x = input
-            _fxopt_input_guard = @_fxopt_input_guard()
-            guard_inputs = guard_inputs(_fxopt_input_guard, x)
             a_weight = @a.weight()
             a_bias = @a.bias()
             b_weight = @b.weight()
@@ -380,6 +378,8 @@ def test_aten_activations_become_inplace_overloads():
             c_bias = @c.bias()
             d_weight = @d.weight()
             d_bias = @d.bias()
+            _fxopt_input_guard = @_fxopt_input_guard()
+            guard_inputs = guard_inputs(_fxopt_input_guard, x, state=[a_weight, a_bias, b_weight, b_bias, c_weight, c_bias, d_weight, d_bias])
             linear = linear.default(x, a_weight, a_bias)
             relu_ = relu_.default(linear)
             linear_1 = linear.default(relu_, b_weight, b_bias)

@@ -147,3 +147,22 @@ def test_written_arguments_reads_the_schema():
     assert private.written_arguments(torch.ops.aten.copy_.default) == ((0, "self"),)
     assert private.written_arguments(torch.ops.aten.relu.default) == ()
     assert private.written_arguments(torch.relu) is None
+
+
+def test_export_guards_and_size_oblivious_export():
+    from torch.export import Dim
+    from torch.fx.experimental import _config as shapes_config
+
+    class Branch(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.shape[0] > 1 else x
+
+    assert not shapes_config.backed_size_oblivious
+    with private.size_oblivious_export():
+        assert shapes_config.backed_size_oblivious
+        program = torch.export.export(Branch(), (torch.randn(1, 3),),
+                                      dynamic_shapes=({0: Dim.AUTO},), strict=False)
+    assert not shapes_config.backed_size_oblivious
+    # traced at a size of 1, kept symbolic: the branch taken there is a recorded condition
+    guards = private.export_guards(program)
+    assert any("L['x'].size()[0]" in g for g in guards), guards

@@ -22,7 +22,8 @@ runs ``forward`` as ordinary Python on fake tensors, so both are captured, down 
   (``fxopt.capture.train_eval``), so ``.train()`` / ``.eval()`` switch dropout and BatchNorm;
 - carries ``meta["val"]`` on every node (``fxopt.capture.meta.propagate_meta``) and
   ``meta["fxopt_trace"]`` (a ``TraceInfo``: frontend "export", no leaves, ``mode_dependent``) and
-  ``meta["fxopt_export"]`` (an ``ExportInfo``: which input sizes stayed dynamic).
+  ``meta["fxopt_export"]`` (an ``ExportInfo``: which input sizes stayed dynamic, whether a
+  batch of 1 is served, why a way of exporting was given up).
 
 The graph is torch.export's training IR (``torch.export.export`` traces pre-dispatch on torch
 2.14; there is no separate public ``export_for_training``): ATen operators above autograd, such
@@ -30,17 +31,24 @@ as ``aten.linear``, ``aten.dropout(x, p, train)``, ``aten.scaled_dot_product_att
 ``aten.batch_norm`` updating the running statistics in place. Run eagerly, autograd
 differentiates it as it does the model, and dropout draws from the global RNG as the model does.
 
-Input sizes: dimension 0 of every tensor input is exported as ``Dim.AUTO`` (dynamic unless the
-model fixes it; a size of 0 or 1 is always fixed); every other dimension, dtype, device type,
-plain argument value (``None``, flags) and container structure is fixed. If export fails with a
-dynamic batch it is repeated with static sizes. The graph starts with a guard node (``guard_inputs``
-reading the module's ``InputGuard``) that raises ``InputError`` when a call does not match what was captured (a
-different sequence length, a batch size outside the captured range, two batch sizes that must be
-equal and are not, ``labels=None`` when it was captured with labels), instead of computing
-something else. Arguments after the last one the example gives are not parameters of the
-captured module (passing one is Python's ``TypeError``): the model used its own default, which a
-decorator may set differently from what the signature says. An argument skipped before a given
-one stays in its place at its default, and the guard refuses any other value.
+Input sizes: every dimension of every tensor input is exported as ``Dim.AUTO`` (dynamic unless
+the model fixes it), so one capture serves every batch size and sequence length the model's code
+allows, with sizes 0 and 1 traced apart (``backed_size_oblivious``) and a batch of 1 served
+when a second trace at batch 1 records the same graph (``fxopt.capture.export_guards``, which
+also turns the conditions torch.export recorded on sizes into the guard's checks). A dimension
+fxopt cannot check (an expression of other sizes, a condition it cannot read) is fixed and the
+export repeated; if export fails it is repeated without tracing 0 and 1 apart, then with static
+sizes (``ExportInfo.fallbacks``). Dtypes, device types, plain argument values (``None``, flags)
+and container structure are fixed. The graph starts with a guard node (``guard_inputs`` reading
+the module's ``InputGuard``, with the parameters and buffers the graph reads) that raises
+``InputError`` before anything is computed when a call does not match what was captured (a
+size the model fixes, a length of 1, two sizes that must agree and do not, ``labels=None`` when
+it was captured with labels, a module converted to another dtype or device after capture),
+instead of computing something else. Arguments after the last one the example gives are not
+parameters of the captured module (passing one is Python's ``TypeError``): the model used its
+own default, which a decorator may set differently from what the signature says. An argument
+skipped before a given one stays in its place at its default, and the guard refuses any other
+value.
 
 Safe when: forward's tensor computation does not depend on tensor *values* (``if x.sum() > 0``
 fails with ``TraceError``; ``fxopt.capture.trace`` keeps such code as an opaque leaf instead), and
@@ -56,23 +64,27 @@ at capture time); forwards that call ``torch.utils.checkpoint`` (export would in
 the recomputation); forward signatures without names for the inputs given (a bare ``*args,
 **kwargs`` with no ``functools.wraps``); example inputs other than tensors, plain values and
 containers of them; output containers other than those listed; sizes whose exported relation is
-an expression (``y.shape[0] == 2 * x.shape[0]``: re-exported with static sizes, see
-``ExportInfo.static_reason``). Not detected: submodules left in another training mode than the
+an expression (``y.shape[0] == 2 * x.shape[0]``: re-exported with that size fixed, see
+``ExportInfo.fallbacks``). Not detected: submodules left in another training mode than the
 root on purpose (a frozen BatchNorm): the train graph has every module in train mode and the eval
 graph every module in eval mode, and a submodule's own flag is never read again. Not supported:
-inputs of another dtype (so ``fxopt.verify``'s float64 re-check of rounding
-differences cannot run on the captured module: it reports why in the mismatch). The graph's
+another dtype or device than the capture's, for inputs or for the module's parameters and
+buffers (the guard refuses it: capture the model after converting it; so ``fxopt.verify``'s
+float64 re-check of rounding differences cannot run on the captured module: it reports why in
+the mismatch). The graph's
 operators are ATen operators, not the module calls and ``torch.nn.functional`` calls fxopt's
 passes were written for: see ``tests/test_export_frontend.py`` for which passes apply.
 
 This module runs the export and unlifts its program into the GraphModule. The pieces it uses:
 ``fxopt.capture.export_signature`` (binding the example call to forward's signature),
+``fxopt.capture.export_guards`` (what sizes an exported program serves),
 ``fxopt.capture.recipes`` (nested inputs and outputs as recipes, rebuilt in the graph) and
 ``fxopt.runtime.input_guard`` (the guard node, which the captured module calls while it runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 from dataclasses import dataclass
@@ -84,6 +96,16 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
 from fxopt.capture.exception_safe import exception_safe
+from fxopt.capture.export_guards import (
+    Constraints,
+    batch_group,
+    constraints_of,
+    cut_to_one,
+    same_program,
+    unusable_dims,
+    with_batch_of_one,
+    without_batch_of_one,
+)
 from fxopt.capture.export_signature import (
     Placeholder,
     bind_example,
@@ -102,6 +124,7 @@ from fxopt.capture.train_eval import eval_module_on, install_eval_graph, same_gr
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy
 from fxopt.core.state import preserved_state
+from fxopt.core.torch_private import size_oblivious_export
 from fxopt.runtime.input_guard import InputGuard, TensorSpec, guard_inputs
 
 _ATTRIBUTE_PREFIX = "_fxopt_export_"
@@ -112,10 +135,20 @@ _GUARD = "_fxopt_input_guard"  # the captured module's attribute holding its Inp
 @dataclass(frozen=True)
 class ExportInfo:
     """How the model was exported: ``dynamic`` names the input sizes left free (e.g.
-    ``input_ids.shape[0]``); ``static_reason`` says why export fell back to static sizes."""
+    ``input_ids.shape[0]``, ``input_ids.shape[1]``); ``batch_of_one``: whether a batch of 1 is
+    served too (``fxopt.capture.export_guards``); ``static_reason`` says why export fell back to
+    static sizes; ``fallbacks`` why each way of exporting tried before the one used failed."""
 
     dynamic: tuple[str, ...] = ()
     static_reason: str | None = None
+    batch_of_one: bool = False
+    fallbacks: tuple[str, ...] = ()
+
+
+# How forward is exported, tried in order until one works: every dimension dynamic with sizes
+# 0 and 1 traced apart ("oblivious"); every dimension dynamic, sizes 0 and 1 fixed ("dynamic");
+# every size fixed ("static").
+_MODES = ("oblivious", "dynamic", "static")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,15 +203,19 @@ class _Exported:
     out_recipe: Any
 
 
-def _export(shell: nn.Module, call: _Call, example: tuple, dynamic: bool, training: bool
-            ) -> _Exported:
+def _export(shell: nn.Module, call: _Call, example: tuple, mode: str, training: bool,
+            fixed: frozenset = frozenset()) -> _Exported:
+    """Export forward in ``mode`` (``_MODES``), every dimension dynamic but those ``fixed``
+    ((leaf, dim) pairs)."""
     recorder = _Recorder()
     wrapper = _Flat(shell, call, recorder)
     shapes = None
-    if dynamic:
-        shapes = (tuple({0: Dim.AUTO} if t.dim() else None for t in example),)
+    if mode != "static":
+        shapes = (tuple({d: Dim.AUTO for d in range(t.dim()) if (leaf, d) not in fixed} or None
+                        for leaf, t in enumerate(example)),)
+    sizes = size_oblivious_export() if mode == "oblivious" else contextlib.nullcontext()
     try:
-        with training_flags(wrapper, training), user_checkpoints_refused():
+        with training_flags(wrapper, training), user_checkpoints_refused(), sizes:
             program = torch.export.export(wrapper, example, dynamic_shapes=shapes, strict=False)
     except Exception as error:
         if _caused_by(error, UserCheckpoint):
@@ -237,44 +274,6 @@ def _output_error(model: nn.Module, unsupported: Unsupported) -> TraceError:
                       where=f"{name}.forward output", hint=hint)
 
 
-def _user_input_specs(exported: _Exported, names: list[str]) -> list[TensorSpec] | None:
-    """Each tensor input's dims as exported; None if a size is an expression, not one symbol."""
-    program = exported.program
-    by_name = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    specs = []
-    for spec in program.graph_signature.input_specs:
-        if spec.kind != InputKind.USER_INPUT:
-            continue
-        val = by_name[spec.arg.name].meta["val"]
-        dims = []
-        for size in val.shape:
-            if isinstance(size, int):
-                dims.append(size)
-            elif str(size).isidentifier():
-                dims.append(str(size))
-            else:
-                return None
-        specs.append(TensorSpec(tuple(dims), val.dtype, val.device.type))
-    return specs if len(specs) == len(names) else None
-
-
-def _ranges(program: Any) -> dict[str, tuple[int, int | None]]:
-    """Each symbol's size range, the highest None when unbounded."""
-    ranges = {}
-    for symbol, span in program.range_constraints.items():
-        ranges[str(symbol)] = (_bound(span.lower, 0), _bound(span.upper, None))
-    return ranges
-
-
-def _bound(value: Any, unbounded: int | None) -> int | None:
-    if not getattr(value, "is_finite", True):  # sympy's (and torch's integer) infinity
-        return unbounded
-    try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError, AttributeError):
-        return unbounded
-
-
 def _trace_error(model: nn.Module, error: BaseException, mode: str) -> TraceError:
     text = str(error).strip()
     first = text.splitlines()[0] if text else ""
@@ -296,29 +295,42 @@ def _trace_error(model: nn.Module, error: BaseException, mode: str) -> TraceErro
 
 
 def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: str,
-            attributes: dict[str, Any], shell: nn.Module, leaf_names: list[str]) -> fx.Graph:
+            attributes: dict[str, Any], shell: nn.Module, constraints: Constraints) -> fx.Graph:
     """The exported graph with forward's arguments as placeholders, the user's parameters and
-    buffers as ``get_attr`` nodes, buffer mutations written back, and the output rebuilt."""
+    buffers as ``get_attr`` nodes, buffer mutations written back, and the output rebuilt. The
+    guard node comes first after the ``get_attr`` nodes of the parameters and buffers, which it
+    checks with the arguments (``InputGuard``)."""
     program = exported.program
     graph = fx.Graph()
     nodes = [graph.placeholder(p.name, default_value=p.default) for p in placeholders]
-    specs = _user_input_specs(exported, leaf_names)
-    assert specs is not None
+    env: dict[fx.Node, Any] = {}
+    kinds = {s.arg.name: s for s in program.graph_signature.input_specs}
+    state: list[tuple[str, torch.dtype, str]] = []
+    read: list[fx.Node] = []  # the parameters and buffers, as get_attr nodes the guard checks
+    for node in program.graph.find_nodes(op="placeholder"):
+        spec = kinds[node.name]
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            env[node] = graph.get_attr(_attribute(spec, program, attributes, shell))
+            env[node].meta.update(node.meta)
+            if spec.kind != InputKind.CONSTANT_TENSOR:  # constants are fxopt's, never converted
+                val = node.meta["val"]
+                state.append((env[node].target, val.dtype, val.device.type))
+                read.append(env[node])
     guard = InputGuard(model_name, tuple((p.name, p.recipe) for p in placeholders),
-                       tuple(specs), _ranges(program), error=InputError)
+                       tuple(constraints.specs), constraints.ranges, error=InputError,
+                       checks=tuple(constraints.checks), state=tuple(state))
     guard_name = next((n for n, v in attributes.items()
                        if isinstance(v, InputGuard) and v == guard), None)
     if guard_name is None:  # the eval graph's guard is the train graph's unless sizes differ
         guard_name = _GUARD if _GUARD not in attributes else f"{_GUARD}_{len(attributes)}"
         attributes[guard_name] = guard
-    graph.call_function(guard_inputs, (graph.get_attr(guard_name), *nodes))
+    graph.call_function(guard_inputs, (graph.get_attr(guard_name), *nodes),
+                        {"state": tuple(read)} if read else {})
     leaves: dict[int, fx.Node] = {}
     for p, node in zip(placeholders, nodes):
         extract(graph, p.recipe, node, leaves)
 
-    env: dict[fx.Node, Any] = {}
     inputs: dict[str, fx.Node] = {}  # the exported graph's input names -> our nodes
-    kinds = {s.arg.name: s for s in program.graph_signature.input_specs}
     user_inputs = 0
     for node in program.graph.nodes:
         if node.op == "placeholder":
@@ -326,9 +338,8 @@ def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: st
             if spec.kind == InputKind.USER_INPUT:
                 env[node] = inputs[node.name] = leaves[user_inputs]
                 user_inputs += 1
-            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-                env[node] = graph.get_attr(_attribute(spec, program, attributes, shell))
-                env[node].meta.update(node.meta)
+            elif node in env:
+                pass
             else:
                 raise TraceError(
                     f"torch.export gave {model_name} an input of kind {spec.kind.name} "
@@ -445,27 +456,12 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     example = tuple(t.detach().clone() for t in example)
 
     shell = structural_copy(model)
-    static_reason: str | None = None
-    exports: list[_Exported] = []
     with preserved_state(model, shell):
-        for dynamic in (True, False):
-            exports = []
-            try:
-                for training in (True, False):
-                    exports.append(_export(shell, call, example, dynamic, training))
-            except FxoptError:
-                raise
-            except Exception as error:  # torch.export raises many types; all become TraceError
-                if dynamic:
-                    static_reason = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-                    continue
-                raise _trace_error(model, error, "eval" if exports else "train") from error
-            if all(_user_input_specs(e, leaf_names) is not None for e in exports):
-                break
-            static_reason = "a size relation between inputs is an expression, not one size"
+        exports, constraints, export_info = _export_modes(model, shell, call, example, leaf_names)
         placeholders = signature_placeholders(name, signature, given)
         attributes: dict[str, Any] = {}
-        graphs = [_unlift(e, placeholders, name, attributes, shell, leaf_names) for e in exports]
+        graphs = [_unlift(e, placeholders, name, attributes, shell, c)
+                  for e, c in zip(exports, constraints)]
     for attr, value in attributes.items():
         object.__setattr__(shell, attr, value)
     for graph in graphs:
@@ -481,13 +477,110 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     _propagate(model, gm, placeholders, arguments)
     if info.mode_dependent:
         _propagate(model, eval_module_on(gm), placeholders, arguments)
-    specs = _user_input_specs(exports[0], leaf_names) or []
-    dynamic_dims = tuple(f"{leaf}.shape[{d}]" for leaf, spec in zip(leaf_names, specs)
-                         for d, size in enumerate(spec.dims) if isinstance(size, str))
     info.seconds = time.perf_counter() - start
     gm.meta["fxopt_trace"] = info
-    gm.meta["fxopt_export"] = ExportInfo(dynamic_dims, static_reason if not dynamic_dims else None)
+    gm.meta["fxopt_export"] = export_info
     return gm
+
+
+def _export_modes(model: nn.Module, shell: nn.Module, call: _Call, example: tuple,
+                  leaf_names: list[str]) -> tuple[list[_Exported], list[Constraints], ExportInfo]:
+    """The train- and eval-mode exports in the first of ``_MODES`` that works, what each
+    serves (a batch of 1 added where a second trace allows it), and how it went."""
+    fallbacks: list[str] = []
+    for mode in _MODES:
+        done: list[_Exported] = []
+        try:
+            exports, constraints, fixed = _export_both(shell, call, example, mode, done)
+        except FxoptError:
+            raise
+        except Exception as error:  # torch.export raises many types; all become TraceError
+            if mode != "static":
+                fallbacks.append(f"{mode}: {type(error).__name__}: {str(error).splitlines()[0]}")
+                continue
+            raise _trace_error(model, error, "eval" if done else "train") from error
+        if fixed:
+            names = ", ".join(f"{leaf_names[leaf]}.shape[{dim}]" for leaf, dim in sorted(fixed))
+            fallbacks.append(f"{mode}: fixed {names}: torch.export made it an expression of other "
+                             "sizes, or recorded a condition on it fxopt cannot check")
+        if exports:
+            break
+    batch_of_one = False
+    if mode == "oblivious":
+        constraints, batch_of_one = _batch_of_one(shell, call, example, exports, constraints,
+                                                  fixed)
+    dynamic = tuple(f"{leaf}.shape[{d}]" for leaf, spec in zip(leaf_names, constraints[0].specs)
+                    for d, size in enumerate(spec.dims) if isinstance(size, str))
+    static_reason = fallbacks[-1].partition(": ")[2] if mode == "static" and fallbacks else None
+    return exports, constraints, ExportInfo(dynamic, static_reason if not dynamic else None,
+                                            batch_of_one, tuple(fallbacks))
+
+
+def _export_both(shell: nn.Module, call: _Call, example: tuple, mode: str, done: list
+                 ) -> tuple[list[_Exported], list[Constraints], frozenset]:
+    """The train- and eval-mode exports in ``mode`` and their constraints, with the dimensions
+    fxopt cannot check fixed (exporting again with them fixed, at most twice); the train
+    export comes first and is appended to ``done``."""
+    fixed: frozenset = frozenset()
+    for _ in range(3):
+        done.clear()
+        constraints: list[Constraints] = []
+        for training in (True, False):
+            exported = _export(shell, call, example, mode, training, fixed)
+            done.append(exported)
+            found = constraints_of(exported.program, example)
+            if found is None and mode == "static":  # valid at the example's sizes regardless
+                found = _fixed(exported, example)
+            if found is None:
+                break
+            constraints.append(found)
+        if len(constraints) == 2:
+            return list(done), constraints, fixed
+        more = unusable_dims(done[-1].program, example) - fixed
+        if not more:
+            break
+        fixed |= more
+    return [], [], fixed
+
+
+def _fixed(exported: _Exported, example: tuple) -> Constraints:
+    """A statically exported program's constraints: its inputs' sizes, nothing else."""
+    return Constraints([TensorSpec(tuple(t.shape), t.dtype, t.device.type) for t in example], {})
+
+
+def _batch_of_one(shell: nn.Module, call: _Call, example: tuple, exports: list[_Exported],
+                  constraints: list[Constraints], fixed: frozenset
+                  ) -> tuple[list[Constraints], bool]:
+    """Each mode's constraints with a batch of 1 added when forward, exported again with the
+    batch dimensions cut to 1 (and the same dimensions ``fixed``), records the same graph
+    (``fxopt.capture.export_guards``); else refusing a batch of 1, saying why."""
+    result = list(constraints)
+    for i, (exported, first) in enumerate(zip(exports, constraints)):
+        if i and first == constraints[0] and same_program(
+                exported.program, exports[0].program, first.specs, constraints[0].specs):
+            result[i] = result[0]  # the eval graph is the train graph: so is its second trace
+            continue
+        group = batch_group(first, example)
+        if not group:
+            continue
+        cut = cut_to_one(example, group)
+        try:
+            at_one = _export(shell, call, cut, "oblivious", i == 0, fixed)
+        except Exception as error:  # noqa: BLE001 - batch 1 is then refused, saying why
+            why = (f"torch.export could not trace forward at a batch of 1: "
+                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            result[i] = without_batch_of_one(first, group, why)
+            continue
+        second = constraints_of(at_one.program, cut)
+        if second is not None and same_program(exported.program, at_one.program,
+                                               first.specs, second.specs, group):
+            result[i] = with_batch_of_one(first, second, group)
+        else:
+            result[i] = without_batch_of_one(first, group, (
+                "forward treats a batch of 1 apart: a second trace at batch 1 recorded a "
+                "different graph" if second is not None else "a second trace at batch 1 "
+                "recorded conditions on sizes fxopt cannot check"))
+    return result, all(r.batch_of_one for r in result)
 
 
 def _propagate(model: nn.Module, gm: fx.GraphModule, placeholders: list[Placeholder],

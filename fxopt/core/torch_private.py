@@ -198,6 +198,23 @@ __all__ = [
 ]
 
 
+def size_oblivious_export() -> contextlib.AbstractContextManager:
+    """Inside, torch.export leaves an example size of 0 or 1 symbolic and records every decision
+    forward takes on a size being 0 or 1 as a guard, instead of assuming sizes of at least 2
+    (``torch.fx.experimental._config.backed_size_oblivious``, experimental in torch 2.14)."""
+    from torch.fx.experimental import _config as shapes_config
+
+    return shapes_config.patch(backed_size_oblivious=True)
+
+
+def export_guards(program: Any) -> list[str] | None:
+    """The conditions on input sizes an ``ExportedProgram`` was traced under, as Python source
+    over ``L['<forward argument>'][<index>].size()[<dim>]`` (``program._guards_code``: what
+    ``program.module()`` asserts), or None when this torch keeps no such list."""
+    guards = getattr(program, "_guards_code", None)
+    return None if guards is None else [str(g) for g in guards]
+
+
 # What ``torch.no_grad()`` records as when a graph calls it bare (export's training IR wraps it in
 # ``torch.ops.higher_order.wrap_with_set_grad_enabled`` instead; fxopt.capture.exception_safe).
 BARE_SET_GRAD_ENABLED = torch._C._set_grad_enabled

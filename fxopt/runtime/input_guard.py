@@ -1,27 +1,39 @@
 """The guard an export-captured module calls first: ``InputGuard``, and the recipes it matches.
 
 ``fxopt.capture.export_frontend`` captures a model for one example call. The graph it builds
-starts with a ``guard_inputs(self._fxopt_input_guard, *arguments)`` node: the ``InputGuard``
-it reads, a plain attribute of the module, compares each call's arguments with what was captured
-(containers and their keys, plain values built into the graph, tensor dtypes, device types,
-ranks, fixed sizes, and the ranges and equalities of the sizes left dynamic) and raises before
-the graph computes something else. A *recipe* (``Leaf``, ``Const``, ``Seq``, ``Map``,
-``Fields``) describes a nested Python value: where its tensors are, and the containers and
-plain values around them; ``fxopt.capture.recipes`` builds and reads them.
+starts with a ``guard_inputs(self._fxopt_input_guard, *arguments, state=(...))`` node: the
+``InputGuard`` it reads, a plain attribute of the module, compares each call with what was
+captured and raises before the graph computes anything:
+
+- the parameters and buffers the graph reads (``state``, passed by the graph itself, so they are
+  looked up through the module at call time): their dtypes and device types, which torch.export
+  builds into the graph (a ``.to(torch.float32)`` in forward is recorded as a cast to float32,
+  and ``_assert_tensor_metadata`` nodes check dtypes), so a module converted after capture
+  (``.half()``, ``.to(torch.bfloat16)``, ``.double()``, ``.to("cuda")``) is refused;
+- the arguments: containers and their keys, plain values built into the graph, tensor dtypes,
+  device types, ranks, fixed sizes, and the ranges and equalities of the sizes left dynamic;
+- ``checks``: the conditions on sizes torch.export recorded while tracing (its guards: a branch on
+  ``seq_len > 1``, two sizes whose product must match), as expressions (see ``evaluate``).
+
+A *recipe* (``Leaf``, ``Const``, ``Seq``, ``Map``, ``Fields``) describes a nested Python value:
+where its tensors are, and the containers and plain values around them; ``fxopt.capture.recipes``
+builds and reads them.
 
 A mismatch raises the error class the guard was given (fxopt gives
 ``fxopt.core.errors.InputError``, which this module may not import: see the last line). Under
 symbolic tracing (an fx proxy among the arguments) the guard records itself as a graph node
 instead, so optimizing a captured module keeps it. It checks inputs only, not what forward
 does with them. The guard pickles with the module (``torch.save``), and ``fxopt.export`` writes
-it as a constructor call. Not handled: recipes naming classes defined inside a function (they
-neither pickle nor export). Imports torch and the standard library only (``tests/test_layers.py``), like all of
+it as a constructor call (every field is a literal: ints, strings, dtypes, tuples, dicts). Not
+handled: recipes naming classes defined inside a function (they neither pickle nor export).
+Imports torch and the standard library only (``tests/test_layers.py``), like all of
 ``fxopt.runtime``.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +88,102 @@ class Fields:
 
 
 # ---------------------------------------------------------------------------------------------
+# Size expressions
+#
+# A condition torch.export recorded on the inputs' sizes, as nested tuples of literals (so it
+# pickles and ``fxopt.export`` writes it as code): ``("size", leaf, dim)``,
+# ``("stride", leaf, dim)`` and ``("offset", leaf)`` read the tensor with that ``Leaf`` index;
+# ``(op, a, b)`` applies a binary operator of ``_BINARY``; ``("and", *xs)``, ``("or", *xs)``,
+# ``("not", x)``, ``("neg", x)``, ``("min", *xs)``, ``("max", *xs)``, ``("abs", x)``;
+# ``("unless", c, x)`` is ``c or x`` and ``("when", c, x)`` is ``not c or x`` (shown as ``x``,
+# qualified); anything else is a constant (int, float, bool).
+
+_BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
+           "//": operator.floordiv, "%": operator.mod, "**": operator.pow,
+           "==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
+           ">": operator.gt, ">=": operator.ge}
+_VARIADIC = {"and": all, "or": any, "min": min, "max": max}
+_READS = ("size", "stride", "offset")
+# How tightly each operator binds, as in Python: what ``render`` parenthesizes.
+_PRECEDENCE = {"or": 1, "and": 2, "not": 3, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4,
+               "+": 5, "-": 5, "*": 6, "/": 6, "//": 6, "%": 6, "neg": 7, "**": 8}
+
+
+def evaluate(expr: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    """The value of ``expr`` for the tensors by ``Leaf`` index."""
+    if not isinstance(expr, tuple):
+        return expr
+    head, *args = expr
+    if head == "size":
+        return tensors[args[0]].shape[args[1]]
+    if head == "stride":
+        return tensors[args[0]].stride(args[1])
+    if head == "offset":
+        return tensors[args[0]].storage_offset()
+    if head in ("and", "or"):  # short-circuit, as Python's own
+        return _VARIADIC[head](evaluate(a, tensors) for a in args)
+    if head == "unless":
+        return bool(evaluate(args[0], tensors)) or bool(evaluate(args[1], tensors))
+    if head == "when":
+        return not evaluate(args[0], tensors) or bool(evaluate(args[1], tensors))
+    values = [evaluate(a, tensors) for a in args]
+    if head in _VARIADIC:
+        return _VARIADIC[head](values)
+    if head == "not":
+        return not values[0]
+    if head == "neg":
+        return -values[0]
+    if head == "abs":
+        return abs(values[0])
+    return _BINARY[head](*values)
+
+
+def core(expr: Any) -> Any:
+    """``expr`` without its ``unless``/``when`` qualification: the condition it shows."""
+    while isinstance(expr, tuple) and expr[0] in ("unless", "when"):
+        expr = expr[2]
+    return expr
+
+
+def reads(expr: Any) -> list[tuple]:
+    """The ``size``/``stride``/``offset`` reads in ``expr``, each once, in order."""
+    if not isinstance(expr, tuple):
+        return []
+    if expr[0] in _READS:
+        return [expr]
+    found: list[tuple] = []
+    for arg in expr[1:]:
+        found += [r for r in reads(arg) if r not in found]
+    return found
+
+
+def render(expr: Any, names: dict[int, str], parent: int = 0) -> str:
+    """``expr`` as Python text over the arguments' names (``input_ids.shape[1] != 1``)."""
+    if not isinstance(expr, tuple):
+        return repr(expr)
+    head, *args = expr
+    if head in _READS:
+        name = names.get(args[0], f"tensor {args[0]}")
+        return {"size": f"{name}.shape[{args[-1]}]", "stride": f"{name}.stride({args[-1]})",
+                "offset": f"{name}.storage_offset()"}[head]
+    if head in ("min", "max", "abs"):
+        return f"{head}({', '.join(render(a, names) for a in args)})"
+    if head == "unless":
+        return f"{render(args[1], names, parent)} (unless {render(args[0], names)})"
+    if head == "when":
+        return f"{render(args[1], names, parent)} (when {render(args[0], names)})"
+    level = _PRECEDENCE[head]
+    if head == "not":
+        text = f"not {render(args[0], names, level)}"
+    elif head == "neg":
+        text = f"-{render(args[0], names, level)}"
+    else:  # left-associative: a right operand of the same precedence needs parentheses
+        text = f" {head} ".join(render(a, names, level + (i > 0 and head not in ("and", "or")))
+                                for i, a in enumerate(args))
+    return f"({text})" if level < parent else text
+
+
+# ---------------------------------------------------------------------------------------------
 # The guard
 
 
@@ -91,25 +199,33 @@ class TensorSpec:
 class InputGuard:
     """Raises ``error`` when a call's inputs differ from what the graph was captured for.
 
-    Called by the graph with forward's arguments, in placeholder order. ``params`` is each
-    argument's name and recipe; ``tensors`` the fixed dims (int) or symbols (str) of each tensor
-    (by its ``Leaf`` index); ``ranges`` each symbol's (lowest, highest or None) size. ``error``
-    is called as ``error(what, where=..., hint=...)`` (``fxopt.core.errors.InputError``).
+    Called by the graph with forward's arguments, in placeholder order, and ``state``: the
+    parameters and buffers the graph reads. ``params`` is each argument's name and recipe;
+    ``tensors`` the fixed dims (int) or symbols (str) of each tensor (by its ``Leaf`` index);
+    ``ranges`` each symbol's (lowest, highest or None) size; ``checks`` pairs of a size
+    expression that must be true and why (the module docstring); ``state`` the qualified name,
+    dtype and device type of each tensor passed as ``state``, as captured. ``error`` is called
+    as ``error(what, where=..., hint=...)`` (``fxopt.core.errors.InputError``).
     """
 
     __name__ = "fxopt_input_guard"
+    checks: tuple = ()  # class defaults: a guard pickled before these fields existed
+    state: tuple = ()
 
     def __init__(self, model_name: str, params: tuple, tensors: tuple[TensorSpec, ...],
-                 ranges: dict[str, tuple[int, int | None]], *, error: type[Exception]):
+                 ranges: dict[str, tuple[int, int | None]], *, error: type[Exception],
+                 checks: tuple = (), state: tuple = ()):
         self.model_name = model_name
         self.params = params
         self.tensors = tensors
         self.ranges = dict(ranges)
         self.error = error
+        self.checks = tuple(checks)
+        self.state = tuple(state)
 
     def _key(self) -> tuple:
         return (self.model_name, self.params, self.tensors, tuple(sorted(self.ranges.items())),
-                self.error)
+                self.error, self.checks, self.state)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, InputGuard) and self._key() == other._key()
@@ -120,17 +236,61 @@ class InputGuard:
     def __repr__(self) -> str:
         return f"InputGuard({', '.join(name for name, _ in self.params)})"
 
-    def __call__(self, *values: Any) -> Any:
-        proxy = next((v for v in values if isinstance(v, fx.Proxy)), None)
+    def __call__(self, *values: Any, state: tuple = ()) -> Any:
+        proxy = next((v for v in (*values, *state) if isinstance(v, fx.Proxy)), None)
         if proxy is not None:
             # Symbolic tracing of the captured module (fxopt.optimize on it): stay in the graph.
-            return proxy.tracer.create_proxy("call_function", self, values, {})
+            return proxy.tracer.create_proxy("call_function", self, values,
+                                             {"state": state} if state else {})
+        self._check_state(state)
         found: dict[int, tuple[str, Any]] = {}
         for (name, recipe), value in zip(self.params, values):
             self._match(recipe, value, name, found)
         bound: dict[str, tuple[str, int]] = {}
         for index, spec in enumerate(self.tensors):
             self._check_tensor(spec, *found[index], bound)
+        if self.checks:
+            self._check_sizes({i: t for i, (_, t) in found.items()},
+                              {i: where for i, (where, _) in found.items()})
+
+    def _check_state(self, state: tuple) -> None:
+        if len(state) != len(self.state):  # a graph edited by hand; nothing to compare
+            return
+        for (name, dtype, device_type), t in zip(self.state, state):
+            if t.dtype == dtype and t.device.type == device_type:
+                continue
+            model = self.model_name
+            if t.device.type != device_type:
+                hint = (f"optimize the model on the device it runs on: move it with "
+                        f".to({t.device.type!r}) first, then call fxopt.optimize on it (or move "
+                        f"this module back to {device_type})")
+            else:
+                hint = (f"optimize the model in its training dtype: call fxopt.optimize on the "
+                        f"model after .to({t.dtype}) (or convert this module back to {dtype}; "
+                        "for mixed precision, run it under torch.autocast)")
+            raise self.error(
+                f"{model} was captured by torch.export with {name} of dtype {dtype} on "
+                f"{device_type}, and it is now {t.dtype} on {t.device.type} (the module was "
+                "converted after capture, e.g. with .to(), .half(), .double()); the captured "
+                "graph has the capture dtypes and devices built in (forward's casts such as "
+                ".to(torch.float32) are recorded as they ran), so it cannot compute in another "
+                "dtype or on another device",
+                where=f"{model} parameter or buffer {name}", hint=hint)
+
+    def _check_sizes(self, tensors: dict[int, torch.Tensor], names: dict[int, str]) -> None:
+        for expr, why in self.checks:
+            if evaluate(expr, tensors):
+                continue
+            shown = reads(core(expr)) or reads(expr)
+            got = ", ".join(f"{render(r, names)} = {evaluate(r, tensors)}" for r in shown)
+            where = render(shown[0], names) if shown else "sizes"
+            raise self.error(
+                f"{self.model_name} was captured by torch.export for calls where "
+                f"{render(expr, names)} ({why}); this call gives {got}", where=
+                f"{self.model_name}.forward argument {where}",
+                hint="calls where this does not hold take another path through forward's "
+                     "code: capture again (fxopt.optimize) with example inputs of these sizes, "
+                     "or pad the inputs to sizes the captured module serves")
 
     def _fail(self, what: str, where: str, hint: str) -> None:
         raise self.error(f"{self.model_name} was captured by torch.export {what}",
@@ -171,8 +331,8 @@ class InputGuard:
 
     def _check_tensor(self, spec: TensorSpec, where: str, t: torch.Tensor,
                       bound: dict[str, tuple[str, int]]) -> None:
-        recapture = ("capture again with an example of the size you will call it with; only "
-                     "dimension 0 can stay dynamic, and only when the model does not fix it")
+        recapture = ("capture again with an example of the size you will call it with: "
+                     "sizes stay dynamic only where the model does not fix them")
         if t.dtype != spec.dtype or t.device.type != spec.device_type:
             self._fail(f"with {where} of dtype {spec.dtype} on {spec.device_type}; this call "
                        f"gives {t.dtype} on {t.device.type}", where,
@@ -184,8 +344,9 @@ class InputGuard:
             here = f"{where}.shape[{d}]"
             if isinstance(want, int):
                 if size != want:
-                    self._fail(f"for {here} == {want} only (the graph has this size built in); "
-                               f"this call gives {size}", here, recapture)
+                    self._fail(f"for {here} == {want} only (this size cannot be dynamic: the "
+                               "model's code fixes it, so the graph has it built in); this call "
+                               f"gives {size}", here, recapture)
                 continue
             if want in bound and bound[want][1] != size:
                 first, first_size = bound[want]
@@ -196,9 +357,14 @@ class InputGuard:
             low, high = self.ranges.get(want, (0, None))
             if size < low or (high is not None and size > high):
                 span = f"[{low}, {'inf' if high is None else high}]"
-                self._fail(f"for {here} in {span}; this call gives {size}", here,
-                           f"{recapture}. Sizes 0 and 1 are always fixed by torch.export, so "
-                           "capture with a batch of at least 2 to call with any batch of 2 or more")
+                why = ""
+                if size < low and size < 2:
+                    why = (" (torch.export traces sizes 0 and 1 apart from larger ones: a batch "
+                           "of 1 is served only when a second trace at batch 1 gave the same "
+                           "graph, and no other dimension serves 0 or 1)")
+                self._fail(f"for {here} in {span}{why}; this call gives {size}", here,
+                           "capture again with example inputs of this size (fxopt.optimize on "
+                           "the model with them), or pad the inputs to a size in the range")
 
 
 def _same_plain(a: Any, b: Any) -> bool:
@@ -211,11 +377,11 @@ def describe(value: Any) -> str:
     return repr(value) if type(value) in PLAIN else f"a {type(value).__name__}"
 
 
-def guard_inputs(guard: InputGuard, *values: Any) -> None:
-    """What the captured graph calls first: ``guard(*values)``. A function, so the graph's code
-    names it by import (``torch.save`` and ``fxopt.export`` need that), with the guard object
-    itself read from the module."""
-    guard(*values)
+def guard_inputs(guard: InputGuard, *values: Any, state: tuple = ()) -> None:
+    """What the captured graph calls first: ``guard(*values, state=state)``. A function, so the
+    graph's code names it by import (``torch.save`` and ``fxopt.export`` need that), with the
+    guard object and the state it checks read from the module when the graph runs."""
+    guard(*values, state=state)
 
 
 torch.fx.node.has_side_effect(guard_inputs)  # dead-code elimination must keep it

@@ -1,0 +1,311 @@
+"""An export-captured module serves the shapes and refuses the dtypes it was not captured for.
+
+Sizes (issue 22, item 3): ``fxopt.capture.export_frontend`` exports every dimension of every
+tensor input as dynamic, and a batch of 1 through a second trace (``fxopt.capture.export_guards``):
+a training loop with dynamic padding (a new length every batch, a short last batch) trains the
+optimized module step for step as it trains the model. What cannot be dynamic is refused, saying
+so. Dtypes (item 2): an export graph has the capture dtypes built in, so a module converted
+after capture (``.half()``, ``.to(torch.bfloat16)``, ``.double()``) is refused by its input guard
+before it computes anything; an fx-captured module computes in the dtype it is converted to.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxopt
+from fxopt.capture.export_frontend import capture_with_export
+from fxopt.capture.export_guards import _Unsupported, parse_guard
+from fxopt.runtime.input_guard import evaluate, render
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB = 97
+
+
+def tiny_llama() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def tiny_bert() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=512, num_labels=3, pad_token_id=0))
+
+
+def tiny_gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512, use_cache=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0))
+
+
+def padded_batch(batch: int, length: int, gen: torch.Generator, classes: int | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """A batch padded on the right to its longest row, as a dynamic-padding collator makes."""
+    ids = torch.randint(3, VOCAB, (batch, length), generator=gen)
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=gen)
+    lengths[0] = length
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    if classes is not None:
+        labels = torch.randint(0, classes, (batch,), generator=gen)
+    else:
+        labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def step(module: nn.Module, batch: dict, seed: int) -> tuple[torch.Tensor, dict]:
+    """One forward (dropout drawn from ``seed``) and backward; the loss and the gradients."""
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = module(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()
+                           if p.grad is not None}
+
+
+def assert_same_step(got: tuple, expected: tuple, what: str) -> None:
+    torch.testing.assert_close(got[0], expected[0], msg=f"loss, {what}")
+    assert got[1].keys() == expected[1].keys(), what
+    for name in expected[1]:
+        torch.testing.assert_close(got[1][name], expected[1][name], msg=f"{name}, {what}")
+
+
+# -- item 3: sequence length and batch 1
+
+
+@pytest.mark.parametrize("budget", [None, "min"], ids=["default", "min"])
+def test_a_llama_trains_step_for_step_with_dynamic_padding(budget):
+    """Optimized once at (4, 64); ten batches of random lengths in [17, 256], the last of one
+    row: loss, every gradient and every parameter after AdamW equal the original's."""
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    example = padded_batch(4, 64, gen)
+    slim = fxopt.optimize(model, (), example_kwargs=example, memory_budget=budget)
+    assert slim.fxopt_report.trace.frontend == "export"
+    info = slim.meta["fxopt_export"]
+    assert {"input_ids.shape[0]", "input_ids.shape[1]", "labels.shape[1]"} <= set(info.dynamic)
+    assert info.batch_of_one
+    if budget is not None:
+        assert next(p for p in slim.fxopt_report.passes if p.name == "checkpoint").modified
+
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (slim, reference)]
+    sizes = [(3, int(torch.randint(17, 257, (), generator=gen))) for _ in range(9)]
+    sizes.append((1, int(torch.randint(17, 257, (), generator=gen))))
+    for i, (rows, length) in enumerate(sizes):
+        batch = padded_batch(rows, length, gen)
+        what = f"step {i}, batch of {rows} x {length}"
+        got, expected = step(slim, batch, seed=i), step(reference, batch, seed=i)
+        assert_same_step(got, expected, what)
+        for optimizer in optimizers:
+            optimizer.step()
+        for (name, p), q in zip(slim.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, msg=f"{name} after the optimizer step, {what}")
+
+
+@pytest.mark.parametrize("make, classes", [(tiny_bert, 3), (tiny_gpt2, None)],
+                         ids=["bert_classifier", "gpt2_lm"])
+def test_an_encoder_classifier_and_gpt2_serve_batch_one_and_other_lengths(make, classes):
+    model = make()
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    slim = fxopt.optimize(model, (), example_kwargs=padded_batch(4, 32, gen, classes))
+    assert slim.fxopt_report.trace.frontend == "export"
+    assert slim.meta["fxopt_export"].batch_of_one
+    for i, (rows, length) in enumerate([(1, 32), (4, 19), (2, 77), (1, 50)]):
+        batch = padded_batch(rows, length, gen, classes)
+        assert_same_step(step(slim, batch, seed=i), step(reference, batch, seed=i),
+                         f"batch of {rows} x {length}")
+    slim.eval()
+    reference.eval()
+    batch = padded_batch(1, 23, gen, classes)
+    with torch.no_grad():
+        torch.testing.assert_close(slim(**batch).logits, reference(**batch).logits)
+
+
+def test_a_length_of_one_is_refused_saying_why():
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(2)
+    gm = capture_with_export(model, (), padded_batch(2, 16, gen))
+    with pytest.raises(fxopt.InputError) as error:
+        gm(**padded_batch(2, 1, gen))
+    assert error.value.where.endswith("input_ids.shape[1]")
+    assert "in [2, inf]" in error.value.what and "sizes 0 and 1" in error.value.what
+    assert "capture again with example inputs of this size" in error.value.hint
+
+
+class BranchOnOneRow(nn.Module):
+    """Takes another path for a batch of one row: a graph traced at a batch of 4 is wrong there."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if x.shape[0] == 1:
+            return h * 2
+        return h
+
+
+def test_a_batch_of_one_the_model_treats_apart_is_refused_not_computed_wrongly():
+    model, x = BranchOnOneRow(), torch.randn(4, 8)
+    gm = capture_with_export(model, (x,))
+    info = gm.meta["fxopt_export"]
+    assert info.dynamic == ("x.shape[0]",) and not info.batch_of_one
+    other = torch.randn(3, 8)  # served: any batch of 2 or more
+    assert torch.equal(gm(other), model(other))
+    with pytest.raises(fxopt.InputError) as error:
+        gm(torch.randn(1, 8))
+    assert "x.shape[0] >= 2 (forward treats a batch of 1 apart: a second trace at batch 1 " \
+           "recorded a different graph); this call gives x.shape[0] = 1" in error.value.what
+    with pytest.raises(fxopt.InputError, match=r"x.shape\[1\] == 8 only \(this size cannot be "
+                                               r"dynamic: the model's code fixes it"):
+        gm(torch.randn(4, 9))
+
+
+def test_guards_read_as_size_expressions():
+    expr = parse_guard("((L['tensors'][1].size()[1]*L['tensors'][1].size()[0]) % "
+                       "L['tensors'][0].size()[0]) == 0")
+    assert expr == ("==", ("%", ("*", ("size", 1, 1), ("size", 1, 0)), ("size", 0, 0)), 0)
+    tensors = {0: torch.zeros(3, 5), 1: torch.zeros(6, 5)}
+    assert evaluate(expr, tensors) is True
+    assert render(expr, {0: "input_ids", 1: "mask"}) == \
+        "mask.shape[1] * mask.shape[0] % input_ids.shape[0] == 0"
+    bounded = parse_guard("torch.sym_min(512, L['tensors'][0].size()[1]) == "
+                          "L['tensors'][0].size()[1] and 1 < L['tensors'][0].size()[1] <= 9")
+    assert evaluate(bounded, tensors) is True
+    assert evaluate(bounded, {0: torch.zeros(1, 10)}) is False
+    with pytest.raises(_Unsupported):  # the capture then fixes the dimension it reads
+        parse_guard("math.sqrt(L['tensors'][0].size()[0]) == 2")
+
+
+# -- item 2: dtype changes
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def optimized_llama():
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    batch = padded_batch(2, 16, torch.Generator().manual_seed(3))
+    return fxopt.optimize(model, (), example_kwargs=batch), reference, batch
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.to(torch.float64), lambda m: m.to(torch.bfloat16),
+                                     lambda m: m.half(), lambda m: m.to("meta")],
+                         ids=["float64", "bfloat16", "half", "meta_device"])
+def test_a_converted_export_captured_module_is_refused_before_any_compute(optimized_llama,
+                                                                          convert):
+    slim, _, batch = optimized_llama
+    converted = convert(copy.deepcopy(slim))
+    for mode in ("train", "eval"):
+        getattr(converted, mode)()
+        with pytest.raises(fxopt.InputError) as error, CountOps() as ops:
+            converted(**batch)
+        assert ops.ops == [], ops.ops[:5]  # refused before the graph computed anything
+        assert "captured by torch.export with model.embed_tokens.weight of dtype torch.float32 " \
+               "on cpu" in error.value.what
+        assert "parameter or buffer model.embed_tokens.weight" in error.value.where
+        if str(converted.lm_head.weight.device) == "meta":
+            assert "optimize the model on the device it runs on" in error.value.hint
+        else:
+            assert "call fxopt.optimize on the model after .to(" in error.value.hint
+
+
+def test_following_the_hint_optimizes_and_trains_in_the_new_dtype(optimized_llama):
+    _, reference, batch = optimized_llama
+    model = copy.deepcopy(reference).double()
+    reference = copy.deepcopy(reference).double()
+    slim = fxopt.optimize(model, (), example_kwargs=batch, predict_memory=False)
+    assert next(slim.parameters()).dtype == torch.float64
+    assert_same_step(step(slim, batch, seed=0), step(reference, batch, seed=0), "float64")
+
+
+def test_the_exported_folder_refuses_a_converted_module_too(optimized_llama, tmp_path):
+    from fxopt.export.writer import export, load_exported
+
+    slim, _, batch = optimized_llama
+    export(slim, tmp_path / "llama")  # the guard is written as code, its checks as literals
+    loaded = load_exported(tmp_path / "llama").load()
+    torch.manual_seed(0)
+    expected = slim(**batch).loss
+    torch.manual_seed(0)
+    assert torch.equal(loaded(**batch).loss, expected)
+    shorter = padded_batch(1, 9, torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    expected = slim(**shorter).loss
+    torch.manual_seed(0)
+    assert torch.equal(loaded(**shorter).loss, expected)
+    loaded.half()
+    with pytest.raises(Exception, match="captured by torch.export with model.embed_tokens.weight "
+                                        "of dtype torch.float32") as error:
+        loaded(**batch)
+    assert type(error.value).__name__ == "InputError"
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2),
+                                  nn.Linear(8, 4))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("budget", [None, "min"], ids=["default", "min"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16],
+                         ids=["float64", "bfloat16", "half"])
+def test_an_fx_captured_cnn_computes_in_the_dtype_it_is_converted_to(dtype, budget):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, 16, 16)
+    slim = fxopt.optimize(model, (x,), memory_budget=budget, predict_memory=False)
+    assert slim.fxopt_report.trace.frontend == "fx"
+    if dtype is torch.float16:
+        slim.half()
+        reference.half()
+    else:
+        slim.to(dtype)
+        reference.to(dtype)
+    assert all(p.dtype == dtype for p in model.parameters())  # the user's own Parameters
+    x = x.to(dtype)
+    for seed in range(2):
+        outputs = []
+        for module in (slim, reference):
+            module.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            out = module(x)
+            out.float().square().sum().backward()
+            outputs.append((out, [p.grad for p in module.parameters()]))
+        (got, got_grads), (expected, expected_grads) = outputs
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, expected)
+        for a, b in zip(got_grads, expected_grads):
+            torch.testing.assert_close(a, b)
