@@ -6,7 +6,7 @@ default, ``memory_budget="min"``), every operation a training script applies to 
 applied to the user's model and to the optimized one alike; then one training step of each must
 give the same loss and the same gradient for every parameter (float tolerance), and the same
 BatchNorm buffers. An operation fxopt does not serve must raise an ``FxoptError`` before any
-compute instead (the test names which).
+compute instead (the test names which: a dtype change of an export-captured module).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import fxopt
-from fxopt.core.errors import FxoptError
+from fxopt.core.errors import InputError
 
 transformers = pytest.importorskip("transformers")
 
@@ -190,3 +190,42 @@ def test_state_dict_round_trip_through_torch_save(pair):
     buffer.seek(0)
     assert torch.load(buffer, weights_only=True).keys() == model.state_dict().keys()
     _assert_same_step(slim, model, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16],
+                         ids=["float64", "bfloat16", "float16"])
+def test_a_dtype_change(pair, dtype, request):
+    """Symbolic-traced graphs are dtype-generic: the converted module computes what the
+    converted model computes. An export-captured graph has its capture dtypes built in (the
+    model's own casts, such as RMSNorm's ``.to(input_dtype)``, are recorded as casts to
+    float32), so it refuses a converted module with an ``InputError`` at the call, before any
+    compute: optimize the model after converting it."""
+    model, slim, inputs = _copies(pair)
+    model.to(dtype)
+    slim.to(dtype)
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    if request.node.callspec.id.startswith("cnn-fx"):
+        tolerance = {torch.float64: 1e-9, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+        _assert_same_step(slim, model, inputs, rtol=tolerance, atol=tolerance)
+        return
+    calls = []
+    hook = slim.register_forward_pre_hook(lambda *_: calls.append(1))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: calls.append(t) or t, lambda t: t):
+        with pytest.raises(InputError, match="optimize the model in its training dtype|"
+                           "converted after capture"):
+            slim(**inputs)
+    hook.remove()
+    assert len(calls) == 1  # the call began, and nothing was saved for backward: no compute
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (2, 17), (3, 77)], ids=["batch1", "seq17", "seq77"])
+def test_other_batch_and_sequence_sizes(pair, shape, request):
+    """A module optimized at one shape returns what the original returns at every shape the
+    original accepts (the memory budget applies at the example shape)."""
+    if request.node.callspec.id.startswith("cnn"):
+        pytest.skip("sequence lengths are for the language models")
+    model, slim, inputs = _copies(pair)
+    ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(sum(shape)))
+    resized = {"input_ids": ids,
+               "labels": ids if inputs["labels"].dim() == 2 else torch.arange(shape[0]) % 3}
+    _assert_same_step(slim, model, resized)
