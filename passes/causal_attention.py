@@ -35,6 +35,7 @@ import torch
 from torch import fx
 
 from fxopt.analysis.randomness import draws_random_numbers
+from fxopt.analysis.reach import ancestors
 from fxopt.capture.meta import refresh_meta
 from fxopt.rewrite.pass_base import PassResult, mark_new
 
@@ -90,7 +91,7 @@ def _lengths_differ(node: fx.Node) -> str | None:
 
 
 def _why_not_causal(gm: fx.GraphModule, mask: fx.Node, user: fx.Node) -> str | None:
-    nodes = _ancestors(mask)
+    nodes = ancestors(mask)
     for node in nodes:
         if node.op == "placeholder":
             if any(u.target is not _SYM_SIZE for u in node.users if u in nodes):
@@ -117,17 +118,6 @@ def _why_not_causal(gm: fx.GraphModule, mask: fx.Node, user: fx.Node) -> str | N
         if not _is_causal_pattern(value, query.shape[-2]):
             return "the mask is not the causal pattern (padding, a window, or another shape)"
     return None
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current not in seen:
-            seen.add(current)
-            stack.extend(current.all_input_nodes)
-    return seen
 
 
 def _evaluate(gm: fx.GraphModule, nodes: set[fx.Node], mask: fx.Node, batch: int

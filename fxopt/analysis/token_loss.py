@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fxopt.analysis.reach import ancestors
 from fxopt.core.modules import has_hooks
 
 aten = torch.ops.aten
@@ -484,17 +485,6 @@ def _projection(gm: fx.GraphModule, node: fx.Node
 # Putting it together
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current not in seen:
-            seen.add(current)
-            stack.extend(current.all_input_nodes)
-    return seen
-
-
 def _size_reads(node: fx.Node, on_path: set[fx.Node]) -> list[fx.Node]:
     """``node`` and the size arithmetic after it when it reads a shape for the loss's path
     alone (``logits.shape[-1]`` in a reshape); else []."""
@@ -551,7 +541,7 @@ def _site(gm: fx.GraphModule, loss: _Loss) -> TokenLoss:
         _shape(weight)
     if weight_shape != (vocab, size):
         raise _Refuse(f"the projection's weight is {weight_shape}, not (vocab, hidden)")
-    if head in _ancestors(targets):
+    if head in ancestors(targets):
         raise _Refuse("the targets are computed from the logits")
     logits_val = _val(loss.logits)
     if not logits_val.is_floating_point() or not _val(head).is_floating_point():

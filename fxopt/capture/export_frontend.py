@@ -70,8 +70,8 @@ root on purpose (a frozen BatchNorm): the train graph has every module in train 
 graph every module in eval mode, and a submodule's own flag is never read again. Not supported:
 another dtype or device than the capture's, for inputs or for the module's parameters and
 buffers (the guard refuses it: capture the model after converting it; so ``fxopt.verify``'s
-float64 re-check of rounding differences cannot run on the captured module: it reports why in
-the mismatch). The graph's
+float64 re-check of rounding differences runs the original alone in float64 and judges the
+captured module's float32 error against the original's own, ``fxopt.verify.rounding``). The graph's
 operators are ATen operators, not the module calls and ``torch.nn.functional`` calls fxopt's
 passes were written for: see ``tests/test_export_frontend.py`` for which passes apply.
 
