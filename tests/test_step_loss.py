@@ -142,33 +142,37 @@ def test_a_frozen_model_returning_a_loss_has_nothing_to_backpropagate():
     assert model_loss(out) is None and step_loss(out).tensors == []
 
 
-def _real_peak(model: nn.Module, args: tuple) -> int:
-    """Whole-step peak of ``out = model(*args); out.loss.backward()``, live storage on CPU."""
+def _from_loss(out) -> None:
+    (out["loss"] if isinstance(out, dict) else out.loss).backward()
+
+
+def _from_every_output(out) -> None:
+    outs = differentiable_outputs(out)
+    torch.autograd.backward(outs, cotangents_for(outs))
+
+
+def _step_peak(model: nn.Module, args: tuple, backward) -> int:
+    """Whole-step peak of ``out = model(*args); backward(out)``, live storage on CPU."""
     for p in model.parameters():
         p.grad = None
     baseline = storage_bytes((list(model.parameters()), list(model.buffers()), args))
     tracker = LiveStorageTracker()
     with tracker:
         out = model(*args)
-        (out["loss"] if isinstance(out, dict) else out.loss).backward()
+        backward(out)
         del out
     model.zero_grad(set_to_none=True)
     return baseline + tracker.peak_bytes
 
 
+def _real_peak(model: nn.Module, args: tuple) -> int:
+    """A real step: ``out.loss.backward()``."""
+    return _step_peak(model, args, _from_loss)
+
+
 def _synthetic_peak(model: nn.Module, args: tuple) -> int:
-    """Whole-step peak with random cotangents over every output: fxopt's step before."""
-    for p in model.parameters():
-        p.grad = None
-    baseline = storage_bytes((list(model.parameters()), list(model.buffers()), args))
-    tracker = LiveStorageTracker()
-    with tracker:
-        out = model(*args)
-        outs = differentiable_outputs(out)
-        torch.autograd.backward(outs, cotangents_for(outs))
-        del out, outs
-    model.zero_grad(set_to_none=True)
-    return baseline + tracker.peak_bytes
+    """Random cotangents over every output: fxopt's step before."""
+    return _step_peak(model, args, _from_every_output)
 
 
 # ---------------------------------------------------------------- a Hugging Face causal LM
