@@ -17,10 +17,10 @@ Nothing is skipped silently: a model whose parameters exceed ``--max-param-mib``
 fails as the fxopt error it raised (or ``crash`` with the exception, which is an fxopt bug).
 
 ``--fuse-optimizer adamw`` fuses ``torch.optim.AdamW(lr=1e-3)`` into backward
-(``fxopt.fuse_optimizer``) before optimizing, so the checkpoint pass plans with each gradient
-freed at its step. The measured peaks run with the fused step paused (fxopt's own runs never
-update parameters), so each row also gives the predicted training peak with the fused step,
-before and after.
+(``fxopt.fuse_optimizer``) and hands it to ``optimize`` (``fused_optimizer=``), so the checkpoint
+pass plans with each gradient freed at its step. The measured peaks run with the fused step
+paused (fxopt's own runs never update parameters), so each row also gives the predicted training
+peak with the fused step, before and after.
 
 ``--json OUT`` writes every result as it arrives; with ``--resume`` the models already in OUT are
 not run again, so a long sweep can be done in chunks (``--limit``, ``--models``).
@@ -118,11 +118,13 @@ def run_one(name: str, budget: str | None, max_param_mib: float,
         return row
     row["input"] = f"{BATCH}x3x{size}x{size}"
     x = torch.randn(BATCH, 3, size, size, generator=torch.Generator().manual_seed(0))
+    fused = None
     if fuse_optimizer:
         row["fused"] = fuse_optimizer
-        fxopt.fuse_optimizer(model, getattr(torch.optim, FUSABLE[fuse_optimizer]), lr=1e-3)
+        fused = fxopt.fuse_optimizer(model, getattr(torch.optim, FUSABLE[fuse_optimizer]), lr=1e-3)
     try:
-        gm = fxopt.optimize(model, x, memory_budget=budget, verify=True, measure_memory=True)
+        gm = fxopt.optimize(model, x, memory_budget=budget, verify=True, measure_memory=True,
+                            fused_optimizer=fused)
     except fxopt.FxoptError as error:
         row.update(outcome=type(error).__name__, detail=str(error).splitlines()[0][:300],
                    where=(error.where or "")[:300])

@@ -68,7 +68,9 @@ from fxopt.bench.environment import TeeOutput, code_commit, device_name
 from fxopt.core.errors import FxoptError
 from fxopt.core.step import training_step
 from fxopt.measure.peaks import measure_train_step
-from fxopt.verify.fused_training import fuse_optimizer, verify_fused_training
+from fxopt.runtime.fuse import fuse_optimizer
+from fxopt.runtime.fused_step import FusedOptimizer
+from fxopt.verify.fused_training import verify_fused_training
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,11 +150,13 @@ def time_arms(trainers: dict[str, Trainer], repeats: int, inner: int
     return {name: (statistics.median(r), min(r), max(r)) for name, r in ratios.items()}
 
 
-def checkpointed(model: nn.Module, inputs: tuple) -> tuple[nn.Module | None, str]:
-    """fxopt's least-memory checkpointing of ``model`` (verified by optimize), and a note."""
+def checkpointed(model: nn.Module, inputs: tuple, fused: FusedOptimizer | None = None
+                 ) -> tuple[nn.Module | None, str]:
+    """fxopt's least-memory checkpointing of ``model`` (verified by optimize), planned for the
+    fused optimizer step ``fused`` if given, and a note."""
     started = time.perf_counter()
     try:
-        gm = optimize(model, inputs, memory_budget="min")
+        gm = optimize(model, inputs, memory_budget="min", fused_optimizer=fused)
     except FxoptError as error:
         return None, f"not applicable: {error.what.splitlines()[0][:90]}"
     checkpoint = next((r for r in gm.fxopt_report.passes if r.name == "checkpoint"), None)
@@ -168,7 +172,7 @@ def run(model: nn.Module, inputs: tuple, gm: nn.Module | None, gm_note: str,
     arms["plain"].module = arms["fused"].module = model
     planning = fuse_optimizer(model, cls, **kwargs)  # optimize plans for it; it steps nothing
     try:
-        gm_both, both_note = checkpointed(model, inputs)
+        gm_both, both_note = checkpointed(model, inputs, planning)
     finally:
         planning.remove()
     for arm, module, note in (("checkpointing", gm, gm_note), ("both", gm_both, both_note)):

@@ -171,10 +171,11 @@ def check_equivalence(
     progress: Progress | None = None,
     capture: str = "auto",
     example_kwargs: dict[str, Any] | None = None,
+    fused_optimizer: Any = None,
 ) -> tuple[CheckResult, fx.GraphModule]:
     """Optimize ``model`` and verify it on several inputs; see the module docstring.
     ``capture`` is ``fxopt.optimize``'s capture frontend option, ``example_kwargs`` its keyword
-    example inputs."""
+    example inputs, ``fused_optimizer`` the fused optimizer step it plans for."""
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
         raise ConfigError(f"seeds must be a non-empty list of integers, got {seeds!r}",
@@ -185,7 +186,7 @@ def check_equivalence(
                           hint="e.g. batch_sizes=(1, 4)")
     args = check_inputs(model, example_inputs, example_kwargs)
     gm = optimize(model, args, passes=passes, memory_budget=memory_budget, verify=False,
-                  leaf_modules=leaf_modules, capture=capture)
+                  leaf_modules=leaf_modules, capture=capture, fused_optimizer=fused_optimizer)
     first = next((t for t in tensors_in(args) if t.dim()), None)
     example_batch = int(first.shape[0]) if first is not None else None
     plan = [(example_batch, seeds[0], "example")]

@@ -27,6 +27,9 @@ A call site is rewritten only when all of these hold:
 - ``train=False`` is the looser inference rule: the model is only valid under ``torch.no_grad()``
   or ``eval`` use without backward; autograd raises (never silently miscomputes) if it is trained.
 
+Which call sites may be rewritten is decided by ``fxopt.planning.inplace``; this pass finds the
+in-place form of each activation call and edits the graph.
+
 Not handled: activations inside opaque leaf modules, and user modules subclassing the listed
 ones (their forward may differ). Process-wide module hooks
 (``torch.nn.modules.module.register_module_forward_hook`` & co.) are not considered: a rewritten
@@ -44,11 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxopt.analysis import alias_classes, saved_for_backward
-from fxopt.capture.meta import placeholder_values, refresh_meta
-from fxopt.core.modules import call_hooks, has_hooks
-from fxopt.core.tensors import storage_key
-from fxopt.core.torch_private import tree_map_only
+from fxopt.capture.meta import refresh_meta
+from fxopt.core.modules import call_hooks
+from fxopt.planning.inplace import InplacePlanner
 from fxopt.rewrite.pass_base import PassResult, mark_new
 
 PASS_NAME = "inplace_activations"
@@ -117,70 +118,12 @@ def _positional_without_inplace(node: fx.Node) -> tuple:
     return tuple(node.args)
 
 
-def _inplace_backward_saves_only_result(target: Any, const_args: tuple, kwargs: tuple) -> bool:
-    """Ask autograd: does the in-place form save only its (overwritten) input, and run backward?"""
-    leaf = torch.linspace(-2.0, 2.0, 8, requires_grad=True)  # both signs; no RNG drawn
-    x = leaf * 1.0
-    saved_storages = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved_storages.append(storage_key(t))
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _call(target, (x, *const_args), dict(kwargs))
-        out.sum().backward()
-    except RuntimeError:
-        return False
-    return all(key == storage_key(x) for key in saved_storages)
-
-
-def _call(target: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-    if isinstance(target, operator.methodcaller):
-        return target(args[0])
-    return target(*args, **kwargs)
-
-
-def _safe(node: fx.Node, source: fx.Node, order: dict[fx.Node, int], aliases: dict[fx.Node, int],
-          saved_by: dict[fx.Node, set[fx.Node]], train: bool, hooked: set[fx.Node]) -> str | None:
-    """Why ``node`` may not overwrite ``source`` (None when it may)."""
-    if source.op in ("placeholder", "get_attr"):
-        return "input is a graph input or parameter"
-    cls = aliases.get(source)
-    group = [n for n, c in aliases.items() if c == cls] if cls is not None else [source]
-    if any(n.op in ("placeholder", "get_attr") for n in group):
-        return "input is a view of a graph input or parameter"
-    for member in group:
-        # A hook may keep the tensors it is given (feature extraction), and a full backward
-        # hook's outputs may not be modified in place at all.
-        module_call = member if member in hooked else next(
-            (user for user in member.users if user in hooked), None)
-        if module_call is not None:
-            return f"input is seen by the hooks of {module_call.target}"
-    for member in group:
-        for user in member.users:
-            if user is not node and order[user] > order[node]:
-                return f"input is used later by {user.name}"
-    if train:
-        for member in group:
-            readers = saved_by.get(member, set()) - {node}
-            if readers:
-                return f"backward of {sorted(r.name for r in readers)[0]} needs the input"
-    return None
-
-
 def inplace_activations(gm: fx.GraphModule, *, train: bool = True) -> PassResult:
     """Rewrite safe activation call sites to in-place; see the module docstring for the rules."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    aliases = alias_classes(gm, either_mode=True)
-    saved_by = _saved_by(gm) if train else {}
-    hooked = {n for n in gm.graph.nodes
-              if n.op == "call_module" and has_hooks(gm.get_submodule(n.target))}
+    planner = InplacePlanner(gm, train=train)  # the decisions (fxopt.planning.inplace)
     rewritten, skipped = [], {}
-    backward_ok: dict[tuple, bool] = {}  # per in-place form, asked of autograd once per run
     for node in list(gm.graph.nodes):
-        if node in hooked:
+        if node in planner.hooked:
             module = gm.get_submodule(node.target)
             if type(module) in _MODULE_FORMS:
                 skipped[node.name] = f"module has {' and '.join(call_hooks(module))}"
@@ -190,15 +133,8 @@ def inplace_activations(gm: fx.GraphModule, *, train: bool = True) -> PassResult
             continue
         target, args, kwargs = rewrite
         source = node.args[0]
-        why_not = _safe(node, source, order, aliases, saved_by, train, hooked)
-        form = (target, tuple(args[1:]), tuple(sorted(kwargs.items())))
-        if why_not is None and train and any(
-                isinstance(a, fx.Node) for a in (*form[1], *kwargs.values())):
-            why_not = "its options are computed in the graph: autograd cannot be asked"
-        if why_not is None and train and form not in backward_ok:
-            backward_ok[form] = _inplace_backward_saves_only_result(*form)
-        if why_not is None and train and not backward_ok[form]:
-            why_not = "in-place backward would save a copy of the input (no memory saved)"
+        why_not = planner.why_not(node, source,
+                                  (target, tuple(args[1:]), tuple(sorted(kwargs.items()))))
         if why_not:
             skipped[node.name] = why_not
             continue
@@ -214,7 +150,7 @@ def inplace_activations(gm: fx.GraphModule, *, train: bool = True) -> PassResult
         mark_new(new, PASS_NAME)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        _record_rewrite(node, new, source, order, aliases, saved_by)
+        planner.rewritten(node, new, source)
         rewritten.append(new.name)
     if rewritten:
         gm.recompile()
@@ -222,33 +158,3 @@ def inplace_activations(gm: fx.GraphModule, *, train: bool = True) -> PassResult
     return PassResult(gm, bool(rewritten), {"rewritten": len(rewritten), "sites": rewritten,
                                              "skipped": skipped})
 
-
-def _record_rewrite(old: fx.Node, new: fx.Node, source: fx.Node, order: dict, aliases: dict,
-                    saved_by: dict) -> None:
-    """Keep the analyses true after ``old`` became ``new``, which overwrites (aliases) its input."""
-    order[new] = order.pop(old)
-    merged, was = aliases.setdefault(source, -1 - len(aliases)), aliases.pop(old, None)
-    for member, cls in aliases.items():  # views of old's result are views of source's storage now
-        if was is not None and cls == was:
-            aliases[member] = merged
-    aliases[new] = merged
-    for readers in saved_by.values():
-        if old in readers:
-            readers.discard(old)
-            readers.add(new)
-    if old in saved_by:
-        saved_by[new] = saved_by.pop(old)
-
-
-def _saved_by(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]]:
-    """value node -> the nodes whose backward saves (an alias of) that value."""
-    readers: dict[fx.Node, set[fx.Node]] = {}
-    # The optimized module must also be right when its inputs require grad (it is a layer of a
-    # bigger model, or the verifier asks for input gradients): ask autograd as if they did, which
-    # saves a superset of what it saves for inputs that do not.
-    inputs = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(
-        t.is_floating_point() or t.is_complex()), placeholder_values(gm))
-    for node, info in saved_for_backward(gm, inputs).items():
-        for value in info.values:
-            readers.setdefault(value, set()).add(node)
-    return readers

@@ -38,14 +38,16 @@ for the train and eval graphs, wrong for a BatchNorm frozen in eval inside a tra
 
 from __future__ import annotations
 
-import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
+from fxopt.analysis.writes import overwritten_by_a_user
 from fxopt.capture.meta import refresh_meta
+from fxopt.core import meta_keys
 from fxopt.core.errors import ConfigError
 from fxopt.planning.pad_plan import (
     AnchorPlan,
@@ -64,10 +66,23 @@ from fxopt.planning.pad_policy import (
     pad_list,
     padding_pays,
 )
-from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.rewrite.pass_base import PassResult, StatsItem, mark_new
 
 PASS_NAME = "pad_channels"
 MULTIPLES = (8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class PaddedOp(StatsItem):
+    """One padded heavy op, in the pass's ``stats["ops"]``: its shapes before and after."""
+
+    node: str
+    old: str
+    new: str
+    extra_flops: int
+
+    def line(self) -> str:
+        return f"{self.node:<18} {self.old}  =>  {self.new}  (+{self.extra_flops:,} FLOPs)"
 
 
 def pad_channels(gm: fx.GraphModule, *, multiple: int = 8, force: bool = False,
@@ -106,8 +121,8 @@ def pad_channels(gm: fx.GraphModule, *, multiple: int = 8, force: bool = False,
     stats.update({"extra_flops": extra,
                   "extra_flops_pct": round(100.0 * extra / flops, 2) if flops else 0.0,
                   "slices": slices,
-                  "ops": [{"node": a.node.name, "old": a.old, "new": a.new,
-                           "extra_flops": a.extra_flops} for a in plan.anchors.values()]})
+                  "ops": [PaddedOp(a.node.name, a.old, a.new, a.extra_flops)
+                          for a in plan.anchors.values()]})
     return PassResult(gm, True, stats)
 
 
@@ -151,7 +166,7 @@ class _Rewriter:
         node = self.graph.create_node(op, target, args, kwargs or {})
         if self.like is not None:  # where in the user's model the new node comes from
             node.meta.update({k: v for k, v in self.like.meta.items()
-                              if k in ("stack_trace", "nn_module_stack")})
+                              if k in ("stack_trace", meta_keys.NN_MODULE_STACK)})
         return mark_new(node, PASS_NAME)
 
     def _call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
@@ -196,7 +211,7 @@ class _Rewriter:
         source = operand.source
         value = self._attr(source) if isinstance(source, str) else self.current.get(source, source)
         key = (value, operand.resizes)
-        if key in self.resized and not _mutated(self.gm, value):
+        if key in self.resized and not overwritten_by_a_user(self.gm, value):
             return self.resized[key]
         state = self._state(value) if value.op != "get_attr" else None
         current, grow = value, {}
@@ -247,18 +262,3 @@ def _needs_contiguous(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_module":
         return not type(gm.get_submodule(node.target)).__module__.startswith("torch.")
     return False
-
-
-def _mutated(gm: fx.GraphModule, value: fx.Node) -> bool:
-    """Whether some user of ``value`` may write into it (then each reader pads its own copy)."""
-    for user in value.users:
-        name = user.target if isinstance(user.target, str) else \
-            getattr(user.target, "__name__", "")
-        if user.op == "call_module":
-            if getattr(gm.get_submodule(user.target), "inplace", False):
-                return True
-        elif (name.endswith("_") and not name.endswith("__")) or user.kwargs.get("inplace") or \
-                user.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv):
-            return True
-    return False
-

@@ -9,6 +9,7 @@ from torch import nn
 
 import fxopt
 from fxopt.capture.chain import capture
+from helpers import check_pass
 from passes.causal_attention import SDPA, causal_attention
 
 B, T, C, H = 3, 8, 16, 2
@@ -121,3 +122,75 @@ def test_a_batch_size_the_example_did_not_have_still_matches():
     model.eval()
     gm.eval()
     torch.testing.assert_close(gm(x, pad), model(x, pad))
+
+
+GOLDEN_BEFORE = """
+    x = input
+    pad = input
+    qkv_weight = @qkv.weight()
+    qkv_bias = @qkv.bias()
+    _fxopt_input_guard = @_fxopt_input_guard()
+    guard_inputs = guard_inputs(_fxopt_input_guard, x, pad, state=[qkv_weight, qkv_bias])
+    sym_size_int_3 = sym_size.int(x, 0)
+    sym_size_int_4 = sym_size.int(x, 1)
+    linear = linear.default(x, qkv_weight, qkv_bias)
+    split = split.Tensor(linear, 16, -1)
+    getitem = getitem(split, 0)
+    getitem_1 = getitem(split, 1)
+    getitem_2 = getitem(split, 2)
+    view = view.default(getitem, [sym_size_int_3, -1, 2, 8])
+    transpose = transpose.int(view, 1, 2)
+    view_1 = view.default(getitem_1, [sym_size_int_3, -1, 2, 8])
+    transpose_1 = transpose.int(view_1, 1, 2)
+    view_2 = view.default(getitem_2, [sym_size_int_3, -1, 2, 8])
+    transpose_2 = transpose.int(view_2, 1, 2)
+    arange = arange.default(sym_size_int_4, device=device(type='cpu'), pin_memory=False)
+    unsqueeze = unsqueeze.default(arange, 0)
+    slice_1 = slice.Tensor(unsqueeze, 1, 0, 9223372036854775807)
+    slice_2 = slice.Tensor(arange, 0, 0, 9223372036854775807)
+    unsqueeze_1 = unsqueeze.default(slice_2, 1)
+    le_2 = le.Tensor(slice_1, unsqueeze_1)
+    unsqueeze_2 = unsqueeze.default(le_2, 0)
+    unsqueeze_3 = unsqueeze.default(unsqueeze_2, 1)
+    expand = expand.default(unsqueeze_3, [sym_size_int_3, 1, sym_size_int_4, sym_size_int_4])
+    scaled_dot_product_attention = scaled_dot_product_attention.default(transpose, transpose_1, transpose_2, expand)
+    sum_1 = sum.dim_IntList(scaled_dot_product_attention, [1])
+    return sum_1
+"""
+
+GOLDEN_AFTER = """
+    x = input
+    pad = input
+    qkv_weight = @qkv.weight()
+    qkv_bias = @qkv.bias()
+    _fxopt_input_guard = @_fxopt_input_guard()
+    guard_inputs = guard_inputs(_fxopt_input_guard, x, pad, state=[qkv_weight, qkv_bias])
+    sym_size_int_3 = sym_size.int(x, 0)
+    linear = linear.default(x, qkv_weight, qkv_bias)
+    split = split.Tensor(linear, 16, -1)
+    getitem = getitem(split, 0)
+    getitem_1 = getitem(split, 1)
+    getitem_2 = getitem(split, 2)
+    view = view.default(getitem, [sym_size_int_3, -1, 2, 8])
+    transpose = transpose.int(view, 1, 2)
+    view_1 = view.default(getitem_1, [sym_size_int_3, -1, 2, 8])
+    transpose_1 = transpose.int(view_1, 1, 2)
+    view_2 = view.default(getitem_2, [sym_size_int_3, -1, 2, 8])
+    transpose_2 = transpose.int(view_2, 1, 2)
+    scaled_dot_product_attention = scaled_dot_product_attention.default(transpose, transpose_1, transpose_2, None, 0.0, True)
+    sum_1 = sum.dim_IntList(scaled_dot_product_attention, [1])
+    return sum_1
+"""
+
+
+def test_golden_graph_before_and_after_and_a_second_run_changes_nothing():
+    """check_pass: golden before -> pass -> invariants -> golden after (the mask's whole
+    computation gone, sdpa causal) -> a second run is a no-op with identical code -> forward and
+    backward numerics -> measured memory not worse."""
+    torch.manual_seed(0)
+    gm, result = check_pass(Attention(batched_causal), inputs(), causal_attention,
+                            capture="export", golden_before=GOLDEN_BEFORE,
+                            golden_after=GOLDEN_AFTER)
+    assert result.stats["sites"] == ["scaled_dot_product_attention"]
+    again = causal_attention(gm)
+    assert not again.modified and again.stats["rewritten"] == 0 and again.stats["skipped"] == {}

@@ -360,7 +360,7 @@ def test_golden_graph_two_chained_regions():
     # the bodies hold no state of gm: nothing a script swaps on gm can be left behind in them
     assert not any(t.numel() for t in [*first.body.parameters(), *first.body.buffers()])
     stats = result.stats
-    assert [(r["region"], r["first"], r["last"], r["nodes"], r["mode"]) for r in stats["regions"]
+    assert [(r.region, r.first, r.last, r.nodes, r.mode) for r in stats["regions"]
             ] == [("_fxopt_region_0", "conv1", "relu", 3, "full"),
                   ("_fxopt_region_1", "conv2", "relu_1", 3, "full")]
     assert stats["regions_count"] == 2

@@ -112,3 +112,37 @@ def test_optimized_and_exported_models_train_like_the_original_under_ddp(tmp_pat
     assert result.regions > 0 and result.verification.ok
     mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path / "exported")),
              nprocs=WORLD, join=True)
+
+
+def _plan_worker(rank: int, init_file: str) -> None:
+    """Each rank measures other device rates (a busy machine, another core): ``profile=False``
+    must cost nodes and plan regions the same everywhere, from FLOPs and bytes alone."""
+    import fxopt.analysis.costmodel as costmodel
+    from fxopt.capture.trace import trace
+
+    torch.set_num_threads(1)
+    costmodel.device_rates = lambda device="cpu": (1e9 * (rank + 1) ** 3, 1e9 / (rank + 1) ** 3)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    try:
+        model, x = make_model(), batch(0, 0)
+        costs = costmodel.node_costs(trace(model, x), profile=False)
+        gm = fxopt.optimize(model, x, verify=False, predict_memory=False,
+                            passes=[("checkpoint", {"budget": BUDGET, "profile": False})])
+        (record,) = gm.fxopt_report.passes
+        mine = {"seconds": [c.seconds for c in costs.values()], "code": gm.code,
+                "regions": [r.as_dict() for r in record.stats.get("regions", [])]}
+        everyone = [None] * WORLD
+        dist.all_gather_object(everyone, mine)
+        assert mine["regions"], "the budget should have checkpointed regions"
+        assert all(theirs == mine for theirs in everyone), f"rank {rank} differs"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    exit_passed_worker()
+
+
+def test_profile_false_plans_the_same_on_every_rank(tmp_path):
+    """``checkpoint(profile=False)`` promises the same plan on every DDP rank: two processes
+    whose measured device rates differ cost every node and plan every region alike."""
+    mp.spawn(_plan_worker, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=True)

@@ -76,7 +76,8 @@ def _expected_step(model: nn.Module, x: torch.Tensor) -> dict:
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    """Three exports: a plain rewrite, checkpointed regions under a budget, an opaque leaf."""
+    """Four exports: a plain rewrite, checkpointed regions under a budget, an opaque leaf, and a
+    module torch.export captured (its input guard raises the runtime's copied InputError)."""
     root = tmp_path_factory.mktemp("exports")
     (root / "usercode").mkdir()
     (root / "usercode" / "tinynet.py").write_text(TINY_NET)
@@ -88,6 +89,9 @@ def exports(tmp_path_factory):
     cases["budget"] = (model, x, fxopt.optimize(model, x, memory_budget=0.7, verify=False))
     model, inputs = load_target(f"{root / 'usercode' / 'tinynet.py'}:TinyNet", input_shape=(4, 6))
     cases["leaf"] = (model, inputs[0], fxopt.optimize(model, inputs, verify=False))
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), torch.randn(4, 6)
+    cases["guarded"] = (model, x, fxopt.optimize(model, x, capture="export", verify=False))
     results = {}
     for name, (model, x, gm) in cases.items():
         results[name] = export(gm, root / name, example_inputs=(x,))
@@ -140,7 +144,7 @@ def test_loads_in_a_fresh_process_without_fxopt(exports):
         for name in ('fxopt', 'passes', 'models_zoo'):
             assert importlib.util.find_spec(name) is None, name
         import torch
-        for name in ('plain', 'budget', 'leaf'):
+        for name in ('plain', 'budget', 'leaf', 'guarded'):
             package = __import__(name)
             x = torch.load({str(root)!r} + f'/{{name}}_input.pt', weights_only=True)
             expected = torch.load({str(root)!r} + f'/{{name}}_expected.pt', weights_only=True)
@@ -157,6 +161,13 @@ def test_loads_in_a_fresh_process_without_fxopt(exports):
             torch.testing.assert_close(xin.grad, expected['input_grad'])
             for key, param in model.named_parameters():
                 torch.testing.assert_close(param.grad, expected['grad.' + key])
+        try:  # the guard's copy raises the copied runtime's InputError
+            __import__('guarded').load()(x.double())
+        except Exception as error:
+            assert type(error).__name__ == 'InputError', error
+            assert 'captured by torch.export' in str(error), error
+        else:
+            raise AssertionError('the guard let a float64 input through')
         assert not any(m.split('.')[0] in ('fxopt', 'passes', 'models_zoo') for m in sys.modules)
         print('ok')
     """)
@@ -299,3 +310,27 @@ def test_mode_dependent_forward_exports_both_graphs(tmp_path):
     loaded = load_exported(tmp_path / "out").load()
     model.eval(), loaded.eval()
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+def test_generated_code_imports_public_torch_only_and_checks_the_torch_release(
+        exports, monkeypatch):
+    """model.py imports no private torch module; under another torch release it refuses to
+    import with an error saying what to do, unless FXOPT_ALLOW_OTHER_TORCH is set (patch
+    releases load as they are)."""
+    root, _, results = exports
+    for name in results:
+        source = (root / name / "model.py").read_text()
+        imported = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+        assert not [line for line in imported if "._" in line or " _" in line.split("import")[0]]
+        assert f"TORCH_VERSION = {str(torch.__version__)!r}" in source
+    major, minor = str(torch.__version__).split(".")[:2]
+    monkeypatch.delenv(fxopt.export.codegen.ALLOW_OTHER_TORCH, raising=False)
+    monkeypatch.setattr(torch, "__version__", f"{major}.{minor}.99")
+    load_exported(root / "plain")  # another patch release: fine
+    monkeypatch.setattr(torch, "__version__", f"{major}.{int(minor) + 1}.0")
+    with pytest.raises(ImportError, match=r"exported by fxopt with torch .* Export the model "
+                                          r"again with this torch"):
+        load_exported(root / "plain")
+    monkeypatch.setenv(fxopt.export.codegen.ALLOW_OTHER_TORCH, "1")
+    assert load_exported(root / "plain").load() is not None
+

@@ -25,13 +25,14 @@ from torch import nn
 
 import fxopt
 from fxopt.core.errors import ConfigError, EquivalenceError, InputError
+from fxopt.runtime.fuse import fuse_optimizer
 from fxopt.runtime.fused_step import (
     FusedOptimizer,
     fused_optimizer_of,
     fused_parameters,
     paused,
 )
-from fxopt.verify.fused_training import fuse_optimizer, verify_fused_training
+from fxopt.verify.fused_training import verify_fused_training
 from helpers import WideMLP, seeded
 
 
@@ -75,7 +76,7 @@ def test_fused_training_is_bit_identical_and_leaves_the_model_as_it_was(optimize
     assert report.checked["parameter"] == 10 and report.checked["buffer"] == 6
     assert report.checked["optimizer_state"] >= 6
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert fused_parameters(model) == set()  # the fused optimizer was removed
+    assert fused_optimizer_of(model.head.weight) is None  # the fused optimizer was removed
     loss_of(model, image()).backward()
     assert all(p.grad is not None for p in model.parameters())  # no hook steps them any more
 
@@ -210,16 +211,18 @@ def test_step_applies_gradients_the_hooks_did_not_see():
 def test_fused_parameters_says_which_gradients_are_freed_in_backward():
     model = seeded(SmallNet)
     fused = fuse_optimizer(model, torch.optim.SGD, lr=0.1, bucket_bytes=0)
-    assert fused_parameters(model) == set(model.parameters())
+    assert fused_parameters(model, fused) == set(model.parameters())
+    assert fused_parameters(model, None) == set()  # only the fused optimizer it is told of
+    assert fused_parameters(seeded(SmallNet), fused) == set()  # another model's parameters
     assert fused_optimizer_of(model.head.weight) is fused and fused.frees_gradients_in_backward
     loss_of(model, image()).backward()
     assert all(p.grad is None for p in model.parameters())  # applied and freed in backward
     fused.step()
     fused.remove()
-    assert fused_parameters(model) == set() and fused_optimizer_of(model.head.weight) is None
+    assert fused_parameters(model, fused) == set() and fused_optimizer_of(model.head.weight) is None
     accumulating = fuse_optimizer(model, torch.optim.SGD, lr=0.1, accumulation_steps=2,
                                   bucket_bytes=0)
-    assert fused_parameters(model) == set()  # gradients live across micro-batches
+    assert fused_parameters(model, accumulating) == set()  # gradients live across micro-batches
     loss_of(model, image()).backward()
     assert all(p.grad is not None for p in model.parameters())
     loss_of(model, image()).backward()

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxopt
 from fxopt.core.errors import ConfigError, InputError
-from fxopt.verify.fused_training import fuse_optimizer
+from fxopt.runtime.fuse import fuse_optimizer
 from helpers import exit_passed_worker
 
 STEPS = 3

@@ -442,7 +442,8 @@ class EveryAtenActivation(nn.Module):
 
 
 def test_every_aten_activation_as_autograd_decides_in_train_mode():
-    """What autograd says of each in-place form (``_inplace_backward_saves_only_result``):
+    """What autograd says of each in-place form
+    (``fxopt.planning.inplace.inplace_backward_saves_only_result``):
     relu_, leaky_relu_(slope >= 0), elu_(alpha >= 0), selu_ and celu_ save only their result;
     relu6_, hardtanh_, silu_, hardswish_, hardsigmoid_, mish_ and gelu_ save a copy of their
     input; leaky_relu_/elu_ with a negative slope/alpha cannot run backward."""
@@ -606,3 +607,26 @@ def test_optimize_with_export_capture_rewrites_a_relu_mlp():
     assert report.verification is not None and report.verification.ok
     assert gm.code.count("torch.ops.aten.relu_.default(") == 2
     torch.testing.assert_close(gm(x), model(x))
+
+
+def test_the_decisions_are_planning_s_and_the_pass_only_applies_them():
+    """``fxopt.planning.inplace`` decides (asked here without the pass); the pass edits."""
+    from fxopt.planning.inplace import InplacePlanner, inplace_backward_saves_only_result
+
+    assert inplace_backward_saves_only_result(aten.relu_.default, (), ())
+    assert not inplace_backward_saves_only_result(aten.silu_.default, (), ())
+    assert not inplace_backward_saves_only_result(aten.leaky_relu_.default, (-0.1,), ())
+
+    class Net(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            return torch.relu(y), torch.relu(x)
+
+    gm = trace(Net(), torch.randn(3))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    planner = InplacePlanner(gm, train=True)
+    relu_form = (torch.relu_, (), ())
+    assert planner.why_not(nodes["relu"], nodes["mul"], relu_form) is None
+    assert planner.why_not(nodes["relu_1"], nodes["x"], relu_form) == (
+        "input is a graph input or parameter")
+

@@ -133,8 +133,73 @@ def test_the_check_catches_a_planted_upward_import():
 RUNTIME = sorted((ROOT / "fxopt" / "runtime").glob("*.py"))
 
 
+def runtime_imports_beyond_torch(source: str) -> list[str]:
+    """What a runtime module imports besides torch, the standard library and its siblings
+    imported relatively (``from .errors import InputError``: the exporter copies siblings
+    together, and the copies import each other relatively; ``from fxopt.runtime.errors`` would
+    need fxopt installed)."""
+    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    siblings = {p.stem for p in RUNTIME}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.level != 1 or node.module not in siblings:
+                found.append(f"{'.' * node.level}{node.module or ''}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""])
+            found += [name for name in names if name.split(".")[0] not in allowed]
+    return found
+
+
 @pytest.mark.parametrize("path", RUNTIME, ids=[p.name for p in RUNTIME])
 def test_runtime_imports_torch_and_the_standard_library_only(path):
-    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
-    imported = imported_modules(path.read_text(), module_name(path))
-    assert {name.split(".")[0] for name in imported} <= allowed, imported
+    assert runtime_imports_beyond_torch(path.read_text()) == []
+
+
+def test_the_runtime_check_catches_an_absolute_or_foreign_import():
+    assert runtime_imports_beyond_torch("from .errors import InputError\nimport torch.nn\n") == []
+    assert runtime_imports_beyond_torch(
+        "from fxopt.runtime.errors import InputError\nfrom ..core import errors\n"
+        "from .nowhere import x\nimport numpy\n") == ["fxopt.runtime.errors", "..core",
+                                                       ".nowhere", "numpy"]
+
+
+def test_the_runtime_owns_the_errors_and_core_re_exports_them():
+    """What an optimized module runs raises fxopt's own errors without being handed the class
+    (no ``error=`` argument), and every layer's import names the same classes."""
+    import inspect
+
+    from fxopt.core import errors as core_errors
+    from fxopt.runtime import errors as runtime_errors
+    from fxopt.runtime.fused_step import FusedOptimizer
+    from fxopt.runtime.input_guard import InputGuard
+
+    assert core_errors.__all__ and all(getattr(core_errors, name) is getattr(runtime_errors, name)
+                                       for name in core_errors.__all__)
+    assert issubclass(runtime_errors.InputError, runtime_errors.FxoptError)
+    for cls in (FusedOptimizer, InputGuard):
+        assert "error" not in inspect.signature(cls).parameters
+
+
+def meta_key_literals(source: str, keys: set[str]) -> list[str]:
+    """Lines where ``source`` spells a meta key as a string instead of its constant."""
+    return [f"line {node.lineno}: {node.value!r}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and node.value in keys]
+
+
+def test_meta_keys_are_spelled_only_in_core_meta_keys():
+    """``node.meta`` / ``gm.meta`` keys are contracts between layers: declared (name, what the
+    value holds) in ``fxopt.core.meta_keys`` and used through its constants everywhere else."""
+    from fxopt.core import meta_keys
+
+    keys = {value for name, value in vars(meta_keys).items()
+            if name.isupper() and isinstance(value, str) and name != "REAL"}
+    assert {"fxopt_trace", "fxopt_export", "fxopt_saved", "fxopt_meta_source", "fxopt_pass",
+            "nn_module_stack"} <= keys
+    found = {module: lines for module, source in project_files().items()
+             if module != "fxopt.core.meta_keys"
+             and (lines := meta_key_literals(source, keys))}
+    assert found == {}
+    assert meta_key_literals('node.meta["fxopt_pass"] = "x"\n"""a ``fxopt_pass`` doc"""\n',
+                             keys) == ["line 1: 'fxopt_pass'"]

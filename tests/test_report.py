@@ -57,3 +57,45 @@ def test_report_says_how_long_each_phase_took():
     assert report.total_seconds == sum(report.seconds.values())
     assert f"time: {report.total_seconds:.2f} s (capture " in str(report)
     assert report.as_dict()["seconds"]["total"] == report.total_seconds
+
+
+def test_the_report_prints_typed_pass_stats_it_knows_nothing_about():
+    """A pass's per-site stats are ``StatsItem``s it defines: the report prints their own
+    ``line()`` and writes ``as_dict()`` to JSON, for a pass of one's own as for the built-in
+    checkpoint pass (the report names no pass and reads no key)."""
+    from dataclasses import dataclass
+
+    import passes
+    from fxopt.rewrite.pass_base import PassResult, StatsItem
+    from fxopt.rewrite.registry import PassSpec
+
+    @dataclass(frozen=True)
+    class Counted(StatsItem):
+        node: str
+        users: int
+
+        def line(self) -> str:
+            return f"counted {self.node}: {self.users} user(s)"
+
+    def count_users(gm):
+        items = [Counted(n.name, len(n.users)) for n in gm.graph.nodes if n.op == "call_module"]
+        return PassResult(gm, False, {"counted": len(items), "sites": items})
+
+    registry = passes.REGISTRY.with_pass(PassSpec("count_users", count_users, "counts users"))
+    torch.manual_seed(0)
+    model, x = small_cnn(), torch.randn(2, 3, 16, 16)
+    gm = fxopt.optimize(model, x, passes=["checkpoint", "count_users"], memory_budget="min",
+                        registry=registry, verify=False)
+    text = str(gm.fxopt_report)
+    sites = next(r for r in gm.fxopt_report.passes if r.name == "count_users").stats["sites"]
+    assert sites and all(f"    counted {s.node}: {s.users} user(s)" in text for s in sites)
+    assert "counted=" in text
+    regions = next(r for r in gm.fxopt_report.passes if r.name == "checkpoint").stats["regions"]
+    assert regions and all(f"    {r.line()}" in text for r in regions)
+    assert "keeps" in regions[0].line() and "ms predicted" in regions[0].line()
+    as_dict = json.loads(json.dumps(gm.fxopt_report.as_dict()))
+    records = {r["name"]: r for r in as_dict["passes"]}
+    assert records["count_users"]["stats"]["sites"][0] == {"node": sites[0].node,
+                                                           "users": sites[0].users}
+    assert records["checkpoint"]["stats"]["regions"][0]["kept_bytes_saved"] == (
+        regions[0].kept_bytes_saved)

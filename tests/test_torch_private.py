@@ -10,6 +10,8 @@ torch use anywhere else.
 import ast
 import inspect
 import logging
+import re
+import threading
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from torch import fx, nn
 
 from fxopt.core import torch_private as private
 from fxopt.core.modules import HOOK_DICTS
+from fxopt.runtime.regions import PRIVATE_HEAVY_OPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,11 +98,68 @@ PRIVATE_ATTRIBUTES = {"_codegen", "_cdata", "_flat_weights", "_flat_weight_refs"
 # nn.Module's own per-instance containers: core/modules.py reads them.
 MODULE_CONTAINERS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
                      *HOOK_DICTS}
+# Private names the runtime spells, by module: it cannot import fxopt.core.torch_private (export
+# copies it where fxopt is not installed), so it looks them up by name itself;
+# test_private_aten_ops_the_runtime_keeps_exist checks them.
+RUNTIME_PRIVATE = {"fxopt/runtime/regions.py": set(PRIVATE_HEAVY_OPS)}
+_DOTTED_PRIVATE = re.compile(r"\btorch(?:\.\w+)*\._[A-Za-z]\w*")
+_ATTRIBUTE_IN_CODE = re.compile(r"\.(_[A-Za-z]\w*)")
 
 
-def private_uses(source: str, *, containers_allowed: bool) -> list[str]:
+def _private(names) -> set[str]:
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def torch_private_names() -> set[str]:
+    """Private attribute names of the torch objects fxopt works with: modules (an RNN, a
+    GraphModule), tensors, storages, graphs and nodes, torch.utils.checkpoint and the ATen
+    operators. A string spelling one is a private use as much as an attribute access is."""
+    objects = [nn.Module(), fx.GraphModule(nn.Module(), fx.Graph()), nn.LSTM(1, 1),
+               torch.zeros(1), torch.zeros(1).untyped_storage(), fx.Graph(), fx.Node,
+               torch.utils.checkpoint, torch.utils.checkpoint.CheckpointFunction, torch.ops.aten]
+    names = set()
+    for obj in objects:
+        names |= _private(dir(obj))
+        names |= _private(getattr(obj, "__dict__", {}))
+    return names
+
+
+TORCH_PRIVATE_NAMES = torch_private_names()
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
+
+
+def _string_uses(node: ast.Constant, banned: set[str]) -> list[str]:
+    """A string naming a private torch attribute, a private torch module path, or (in code that
+    fxopt writes, such as export's template) accessing a private torch attribute."""
+    text, found = node.value, []
+    if text in banned:
+        found.append(f"line {node.lineno}: {text!r}")
+    found += [f"line {node.lineno}: {m!r} in a string" for m in _DOTTED_PRIVATE.findall(text)]
+    if text not in banned:
+        rest = _DOTTED_PRIVATE.sub("", text)
+        found += [f"line {node.lineno}: '.{m}' in a string"
+                  for m in _ATTRIBUTE_IN_CODE.findall(rest) if m in banned]
+    return found
+
+
+def private_uses(source: str, *, containers_allowed: bool, allowed: frozenset = frozenset()
+                 ) -> list[str]:
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    banned = ((PRIVATE_ATTRIBUTES | TORCH_PRIVATE_NAMES)
+              - (MODULE_CONTAINERS if containers_allowed else set()) - set(allowed))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in docstrings:
+                found += _string_uses(node, banned)
+            continue
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
             parts = node.module.split(".")
             if any(p.startswith("_") for p in parts) or any(
@@ -112,8 +172,8 @@ def private_uses(source: str, *, containers_allowed: bool) -> list[str]:
                     found.append(f"line {node.lineno}: import {alias.name}")
         elif isinstance(node, ast.Attribute):
             own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-            banned = PRIVATE_ATTRIBUTES | (set() if containers_allowed else MODULE_CONTAINERS)
-            if node.attr in banned and not own:
+            attributes = PRIVATE_ATTRIBUTES | (set() if containers_allowed else MODULE_CONTAINERS)
+            if node.attr in attributes and not own:
                 found.append(f"line {node.lineno}: .{node.attr}")
     return found
 
@@ -124,8 +184,10 @@ def test_no_private_torch_use_outside_torch_private():
     for path in [*ROOT.glob("fxopt/**/*.py"), *ROOT.glob("passes/*.py")]:
         if path in allowed:
             continue
+        relative = str(path.relative_to(ROOT))
         uses = private_uses(path.read_text(),
-                            containers_allowed=path == ROOT / "fxopt/core/modules.py")
+                            containers_allowed=path == ROOT / "fxopt/core/modules.py",
+                            allowed=frozenset(RUNTIME_PRIVATE.get(relative, ())))
         if uses:
             offenders[str(path.relative_to(ROOT))] = uses
     assert offenders == {}
@@ -140,6 +202,27 @@ def test_the_scan_sees_each_kind_of_private_use():
                "self._parameters\n")
     assert len(private_uses(planted, containers_allowed=False)) == 5
     assert len(private_uses(planted, containers_allowed=True)) == 4
+    strings = ('"""A docstring may name torch._C and module._parameters."""\n'
+               'getattr(module, "_parameters")\n'
+               'mock.patch.object(checkpoint, "_checkpoint_without_reentrant_generator_impl")\n'
+               'HEADER = "import torch.fx._pytree as fx_pytree"\n'
+               'line = f"{var}._init_flat_weights()"\n'
+               'HEAVY = ("mm", "_scaled_mm")\n'
+               'getattr(self, "_fxopt_region_0")\n')
+    def lines(found):
+        return sorted(found, key=lambda f: int(f.split(":")[0].split()[1]))
+
+    found = lines(private_uses(strings, containers_allowed=False))
+    assert [f.split(":")[0] for f in found] == ["line 2", "line 3", "line 4", "line 5", "line 6"]
+    assert lines(private_uses(strings, containers_allowed=True, allowed=frozenset(
+        {"_checkpoint_without_reentrant_generator_impl"}))) == [
+        "line 4: 'torch.fx._pytree' in a string", "line 5: '._init_flat_weights' in a string",
+        "line 6: '_scaled_mm'"]
+
+
+def test_private_aten_ops_the_runtime_keeps_exist():
+    """The runtime names these itself (it cannot import the facade): each must still exist."""
+    assert all(hasattr(torch.ops.aten, name) for name in PRIVATE_HEAVY_OPS)
 
 
 def test_written_arguments_reads_the_schema():
@@ -166,3 +249,48 @@ def test_export_guards_and_size_oblivious_export():
     # traced at a size of 1, kept symbolic: the branch taken there is a recorded condition
     guards = private.export_guards(program)
     assert any("L['x'].size()[0]" in g for g in guards), guards
+
+
+def test_checkpoint_calls_are_refused_in_the_tracing_thread_only():
+    """While one thread captures (refusing checkpoint calls), another thread's checkpoint runs;
+    both entry points are torch's own again when the last scope closes."""
+    import torch.utils.checkpoint as cp
+
+    before = (cp._checkpoint_without_reentrant_generator_impl,
+              "apply" in vars(cp.CheckpointFunction))
+
+    class Refused(Exception):
+        pass
+
+    def refuse():
+        raise Refused
+
+    def run(reentrant):
+        x = torch.randn(3, requires_grad=True)
+        cp.checkpoint(torch.sin, x, use_reentrant=reentrant).sum().backward()
+        return x.grad
+
+    inside, done, results = threading.Event(), threading.Event(), {}
+
+    def tracing_thread():
+        with private.checkpoint_calls_refused(refuse):
+            inside.set()
+            for reentrant in (False, True):
+                try:
+                    run(reentrant)
+                except Refused:
+                    results[f"refused {reentrant}"] = True
+            done.wait(timeout=30)
+
+    tracer = threading.Thread(target=tracing_thread)
+    tracer.start()
+    assert inside.wait(timeout=30)
+    try:
+        for reentrant in (False, True):  # this thread, meanwhile: checkpoints as usual
+            assert run(reentrant) is not None
+    finally:
+        done.set()
+        tracer.join(timeout=30)
+    assert results == {"refused False": True, "refused True": True}
+    assert (cp._checkpoint_without_reentrant_generator_impl,
+            "apply" in vars(cp.CheckpointFunction)) == before

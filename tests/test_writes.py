@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxopt.analysis.aliases import alias_classes
-from fxopt.analysis.writes import overwritten_inputs
+from fxopt.analysis.writes import overwritten_by_a_user, overwritten_inputs
 from fxopt.capture.trace import trace
 
 
@@ -195,4 +195,7 @@ def test_aten_operators_write_what_their_schema_marks_and_batch_norm_its_statist
     assert [w.target for w in written] == ["bn.running_mean", "bn.running_var"]
     (conv,) = by_target[torch.ops.aten.conv2d.default]
     assert overwritten_inputs(gm, conv) == []
-
+    # the one in-place detector pad_channels asks too (it had a name-suffix one of its own,
+    # blind to ATen overloads: "leaky_relu_.default" does not end in "_")
+    assert overwritten_by_a_user(gm, leaky.args[0]) and not overwritten_by_a_user(gm, leaky)
+    assert overwritten_by_a_user(gm, norm.args[3]) and not overwritten_by_a_user(gm, conv)

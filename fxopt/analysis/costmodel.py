@@ -6,9 +6,13 @@ bytes always, from the roofline below.
 
 The roofline counts each node's FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` during a
 fake-tensor run (so no compute), and its memory traffic as the bytes of its tensor inputs and
-output. Seconds = max(FLOPs / peak FLOP rate, bytes / memory bandwidth), with both rates measured
-once per process and device by ``device_rates`` (a matmul and a large copy, a few tens of
-milliseconds). It ranks a convolution against a BatchNorm the right way round but is far off on
+output. Seconds = max(FLOPs / peak FLOP rate, bytes / memory bandwidth) (``roofline_seconds``).
+With ``profile=False`` the rates are ``NOMINAL_RATES``, fixed per device type: no compute at all,
+and the same costs in every process (so the same plan on every run and every DDP rank; measured
+rates differ from one process to the next by 10-20% on a busy machine, enough to flip near-equal
+plans). With ``profile=True`` the nodes the profile cannot time use rates measured once per
+process and device by ``device_rates`` (a matmul and a large copy, a few tens of milliseconds).
+It ranks a convolution against a BatchNorm the right way round but is far off on
 a CPU for memory-bound ops (resnet50, 8x3x128x128, one thread: a training-mode BatchNorm 8x and
 a max-pool 40x slower than the roofline says), hence the profile.
 
@@ -31,7 +35,8 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxopt.analysis.node_timing import forward_seconds
-from fxopt.capture.meta import placeholder_values, propagate_meta
+from fxopt.capture.meta import propagate_meta
+from fxopt.core.graphs import placeholder_values
 from fxopt.core.tensors import graph_device, tensor_bytes
 from fxopt.core.torch_private import TorchDispatchMode
 from fxopt.runtime.regions import is_heavy
@@ -55,6 +60,15 @@ class _HeavyOpSeen(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         self.seen = self.seen or is_heavy(func)
         return func(*args, **(kwargs or {}))
+
+
+# (FLOP/s, bytes/s) of the roofline when nothing is measured (``profile=False``).
+NOMINAL_RATES = {"cpu": (1e11, 5e10), "cuda": (5e13, 3e12)}
+
+
+def roofline_seconds(flops: int, nbytes: int, rates: tuple[float, float]) -> float:
+    """A node's time by the roofline: bound by its FLOPs or by the bytes it moves."""
+    return max(flops / rates[0], nbytes / rates[1])
 
 
 @functools.cache
@@ -87,7 +101,8 @@ def device_rates(device: str = "cpu") -> tuple[float, float]:
 def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, NodeCost]:
     """Forward cost of every call node (placeholders, get_attr and output cost nothing).
 
-    ``profile=False``: roofline seconds only (no real compute at all).
+    ``profile=False``: roofline seconds at ``NOMINAL_RATES`` only (no real compute at all, the
+    same in every process).
     """
     flops: dict[fx.Node, int] = {}
     heavy: dict[fx.Node, bool] = {}
@@ -102,7 +117,7 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
 
     propagate_meta(gm, placeholder_values(gm), around_node=count)
     device = "cuda" if graph_device(gm).type == "cuda" else "cpu"
-    flop_rate, byte_rate = device_rates(device)
+    rates = device_rates(device) if profile else NOMINAL_RATES[device]
     measured = forward_seconds(gm) if profile else {}
     costs = {}
     for node in gm.graph.nodes:
@@ -111,6 +126,6 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
         moved = tensor_bytes([a.meta.get("val") for a in node.all_input_nodes]) + tensor_bytes(
             node.meta.get("val"))
         f = flops.get(node, 0)
-        roofline = max(f / flop_rate, moved / byte_rate)
+        roofline = roofline_seconds(f, moved, rates)
         costs[node] = NodeCost(f, moved, measured.get(node, roofline), heavy.get(node, False))
     return costs

@@ -7,8 +7,10 @@ parameter, ``foreach=True`` one, ``fused=True`` none). A memory estimate that ig
 count every gradient alive to the end of backward: the planner would checkpoint for a peak that
 is not there, and a budget below it would be refused.
 
-``fused_steps_on_fakes(module, real, fakes)`` makes a fake run behave the same way: for every
-``FusedOptimizer`` that frees gradients in backward (no DDP, no accumulation) and steps some of
+``fused_steps_on_fakes(module, real, fakes, fused)`` makes a fake run behave the same way: for
+each of the ``FusedOptimizer``s ``fused`` (given by the caller, from
+``fxopt.optimize(..., fused_optimizer=...)``: the fused optimizers alive in the process are not
+looked at) that frees gradients in backward (no DDP, no accumulation) and steps some of
 ``module``'s parameters, it builds a shadow optimizer of the *same class and hyperparameters*
 over the fake parameters, creates its state before the step (the steady state of training, where
 Adam's moments already exist), and fuses it into the fake backward with the same bucket size.
@@ -38,9 +40,8 @@ import torch
 from torch import nn
 
 from fxopt.analysis.memtrack import tagged
-from fxopt.core.errors import InputError
 from fxopt.core.tensors import storage_bytes
-from fxopt.runtime.fused_step import FusedOptimizer, live_fused_optimizers
+from fxopt.runtime.fused_step import FusedOptimizer, FusedOptimizers, fused_optimizers
 
 
 OPTIMIZER_STEP = "optimizer step"  # the tracker's tag for a fused step's temporaries
@@ -115,31 +116,31 @@ def _create_state(shadow: torch.optim.Optimizer) -> None:
 
 @contextlib.contextmanager
 def fused_steps_on_fakes(module: nn.Module, real: dict[str, torch.Tensor],
-                         fakes: dict[str, torch.Tensor]) -> Iterator[FusedStepModel]:
+                         fakes: dict[str, torch.Tensor],
+                         fused: FusedOptimizers) -> Iterator[FusedStepModel]:
     """Inside (a fake run of ``module``, whose parameters ``real`` -- by qualified name, read
-    before the swap -- are ``fakes`` now): the parameters a fused optimizer steps in backward
+    before the swap -- are ``fakes`` now): the parameters one of ``fused`` steps in backward
     are stepped and freed the same way."""
     fake_of = {id(real[name]): fake for name, fake in fakes.items() if name in real}
     shadows: list[FusedOptimizer] = []
     state_bytes, count, modelled, names = 0, 0, True, []
     try:
-        for fused in live_fused_optimizers():
-            if not fused.frees_gradients_in_backward:
+        for one in fused_optimizers(fused):
+            if not one.frees_gradients_in_backward:
                 continue
-            shadow = _shadow(fused.optimizer, fake_of)
+            shadow = _shadow(one.optimizer, fake_of)
             if shadow is None:
                 continue
             modelled &= not isinstance(shadow, _FreeOnly)
             _tag_steps(shadow)
             state_bytes += storage_bytes([t for s in shadow.state.values() for t in s.values()
                                           if isinstance(t, torch.Tensor)])
-            shadows.append(FusedOptimizer(shadow, module, bucket_bytes=fused.bucket_bytes,
-                                          clip_grad_value=fused.clip_grad_value,
+            shadows.append(FusedOptimizer(shadow, module, bucket_bytes=one.bucket_bytes,
+                                          clip_grad_value=one.clip_grad_value,
                                           max_grad_norm_per_parameter=(
-                                              fused.max_grad_norm_per_parameter),
-                                          error=InputError))
+                                              one.max_grad_norm_per_parameter)))
             count += len(shadows[-1].parameters())
-            names.append(type(fused.optimizer).__name__)
+            names.append(type(one.optimizer).__name__)
         yield FusedStepModel(count, state_bytes, modelled, tuple(names))
     finally:
         for shadow_fused in shadows:

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from fxopt.capture.fake_run import training_flags
-from fxopt.capture.meta import placeholder_values
+from fxopt.core.graphs import placeholder_values
 from fxopt.core.state import preserved_state
 from fxopt.core.tensors import graph_device, random_like, tensors_in
 from fxopt.core.torch_private import tree_map_only

@@ -1,7 +1,8 @@
 """Which graph values a node overwrites in place: one answer for every pass that moves or
 recomputes nodes.
 
-``overwritten_inputs(gm, node)`` lists the argument nodes whose storage ``node`` writes:
+``overwritten_inputs(gm, node)`` lists the argument nodes whose storage ``node`` writes
+(``overwritten_by_a_user(gm, value)``: whether some user of ``value`` writes it):
 
 - a module called with ``inplace=True`` set on it (``nn.ReLU(inplace=True)``): its input;
 - ``relu_``, ``x.add_(...)``, ``F.relu(x, inplace=True)``, ``x += y``, ``x[i] = v``: the first
@@ -12,10 +13,13 @@ recomputes nodes.
 - an ATen operator (torch.export's graphs): every argument its schema marks as written
   (``Tensor(a!)``: ``aten.leaky_relu_``'s input, ``aten.copy_``'s destination).
 
-Decided from the call alone (names and flags), not from a run: an in-place op whose name does not
-end in ``_`` and is not listed here is not seen. Opaque modules that mutate their inputs without
-an ``inplace`` attribute are not seen either; callers that reorder treat every module they do not
-know as a side effect anyway.
+- an opaque leaf recorded on a real run (``node.meta["fxopt_leaf"]``, ``fxopt.capture.leaf_tape``):
+  the inputs whose version counter that run bumped.
+
+Decided from the call alone (names and flags), not from a run, except for recorded leaves: an
+in-place op whose name does not end in ``_`` and is not listed here is not seen. Other opaque
+modules that mutate their inputs without an ``inplace`` attribute are not seen either; callers
+that reorder treat every module they do not know as a side effect anyway.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import operator
 import torch
 from torch import fx
 
-from fxopt.core.torch_private import written_arguments
+from fxopt.core import meta_keys
+from fxopt.core.torch_private import tree_leaves, written_arguments
 
 INPLACE_OPERATORS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -46,8 +51,22 @@ def _trailing_underscore(name: object) -> bool:
     return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
 
 
+def _recorded_writes(node: fx.Node) -> list[fx.Node]:
+    """The argument nodes a recorded opaque leaf wrote in place on its real run (positions
+    among its tensor arguments, in the order they are passed)."""
+    record = node.meta.get(meta_keys.LEAF)
+    positions = sorted({i for call in getattr(record, "calls", ()) for i in call.writes_inputs})
+    if not positions:
+        return []
+    tensors = [a for a in tree_leaves((node.args, node.kwargs))
+               if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    return [tensors[i] for i in positions if i < len(tensors)]
+
+
 def overwritten_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """The argument nodes whose values ``node`` overwrites in place (see the module doc)."""
+    if node.op == "call_module" and _recorded_writes(node):
+        return _recorded_writes(node)
     if node.op == "call_module":
         writes_first = getattr(gm.get_submodule(node.target), "inplace", False) is True
     elif node.op == "call_function" and node.target in STATISTICS_UPDATERS:
@@ -68,3 +87,8 @@ def overwritten_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
         return []
     first = node.args[0] if writes_first and node.args else None
     return [first] if isinstance(first, fx.Node) else []
+
+
+def overwritten_by_a_user(gm: fx.GraphModule, value: fx.Node) -> bool:
+    """Whether some node that takes ``value`` writes into it in place (views of it aside)."""
+    return any(value in overwritten_inputs(gm, user) for user in value.users)

@@ -25,6 +25,8 @@ one storage, different for clones. It is the address of the storage, so it ident
 only while that storage is alive: keep the tensors (or a ``StorageWeakRef`` to detect frees) as
 long as the keys are compared.
 
+``format_bytes(n)`` writes a byte count as people read it (``1.5 MiB``).
+
 ``device_of(value)`` is the device that tensors compute on: the first CUDA device among them,
 else the first tensor's device, else CPU. ``module_device`` and ``graph_device`` apply it to a
 module with its inputs and to a graph with its ``meta["val"]``.
@@ -129,3 +131,13 @@ def random_like(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point() or t.is_complex():
         return torch.randn(t.shape, dtype=t.dtype, device=t.device)
     return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB (``512 B``, ``1.5 MiB``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"

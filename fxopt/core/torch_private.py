@@ -8,14 +8,20 @@ torch module or attribute, and that each name below still exists in the installe
 
 nn.Module's own per-instance containers (``_parameters``, ``_modules``, hook dicts) are the one
 exception: ``fxopt.core.modules`` reads them, and derives their list from a fresh ``nn.Module()``.
-Checked against torch 2.14.
+Private names spelled as strings (attribute names for ``getattr``, code that export writes) count
+too: the scan reads string literals. ``fxopt.runtime`` cannot import this module (export copies it
+where fxopt is not installed); the few private ATen op names it needs are looked up by name there,
+and checked by the same test. Checked against torch 2.14.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +35,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.graph import CodeGen, _BoxedCodeGen
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.multiprocessing.reductions import StorageWeakRef  # undocumented, on a public path
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.dropout import _DropoutNd as DropoutBase
 from torch.nn.utils.stateless import _reparametrize_module
@@ -102,10 +109,20 @@ def storage_id(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
 
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (``t._base``), or None when it owns its storage's view."""
+    return t._base
+
+
+# The RNN method that rebuilds the cached flat weight list from the parameters; exported code
+# calls it by this name after loading weights (``fxopt.export.module_tree``).
+RNN_WEIGHT_REBUILD = "_init_flat_weights"
+
+
 def keeps_rnn_weight_cache(module: nn.Module) -> bool:
     """Whether ``module`` caches a flat list of its weights (nn.RNN, LSTM, GRU) that must be
     rebuilt whenever its parameters are replaced."""
-    return callable(getattr(module, "_init_flat_weights", None))
+    return callable(getattr(module, RNN_WEIGHT_REBUILD, None))
 
 
 def rebuild_rnn_weights(module: nn.Module) -> bool:
@@ -113,11 +130,21 @@ def rebuild_rnn_weights(module: nn.Module) -> bool:
     False for modules that keep no such cache."""
     if not keeps_rnn_weight_cache(module):
         return False
-    module._init_flat_weights()
+    getattr(module, RNN_WEIGHT_REBUILD)()
     return True
 
 
 RNN_WEIGHT_CACHES = frozenset({"_flat_weights", "_flat_weight_refs"})
+# Per-instance containers of a GraphModule besides its graph and ``meta``: a structural copy
+# copies them (``fxopt.core.modules.structural_copy``).
+GRAPH_MODULE_CONTAINERS = ("_lineno_map", "_tracer_extras", "_replace_hooks",
+                           "_create_node_hooks", "_erase_node_hooks", "_deepcopy_hooks")
+# What ``module.compile()`` sets on the instance (a structural copy leaves it out).
+COMPILED_CALL = "_compiled_call_impl"
+# The method nn.Module's repr asks for a module's name (Hugging Face's Trainer asks it too).
+MODULE_NAME_METHOD = "_get_name"
+# Whether the legacy ``register_backward_hook`` or a full backward hook is registered.
+FULL_BACKWARD_HOOK_FLAG = "_is_full_backward_hook"
 # aten.mkldnn_rnn_layer returns (output, hy, cy, workspace): the workspace is index 3.
 MKLDNN_RNN_WORKSPACE_INDEX = 3
 
@@ -159,10 +186,38 @@ def compile_backend(name: str) -> Any:
 
     return lookup_backend(name)
 
+
+def compiled_modules(module: nn.Module) -> list[str]:
+    """Paths (``""`` for ``module`` itself) of the modules in ``module``'s tree that run code
+    compiled by ``torch.compile``: a wrapper ``torch.compile(m)`` returned
+    (``torch._dynamo.eval_frame.OptimizedModule``), or a module ``m.compile()`` was called on
+    (``COMPILED_CALL`` set). A function compiled and called inside ``forward`` is not seen."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return [name for name, m in module.named_modules()
+            if isinstance(m, OptimizedModule) or getattr(m, COMPILED_CALL, None) is not None]
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(module)`` wrapper compiles (whose ``forward`` has the
+    signature to bind arguments to), or ``module`` itself when it is no such wrapper."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return module._orig_mod if isinstance(module, OptimizedModule) else module
+
+
 __all__ = [
     "BatchNormBase",
+    "COMPILED_CALL",
     "CodeGen",
     "DropoutBase",
+    "FULL_BACKWARD_HOOK_FLAG",
+    "MODULE_NAME_METHOD",
+    "GRAPH_MODULE_CONTAINERS",
+    "RNN_WEIGHT_REBUILD",
+    "StorageWeakRef",
+    "checkpoint_calls_refused",
+    "view_base",
     "FakeTensor",
     "FakeTensorMode",
     "MKLDNN_RNN_WORKSPACE_INDEX",
@@ -172,6 +227,7 @@ __all__ = [
     "boxed_codegen",
     "codegen_of",
     "compile_backend",
+    "compiled_modules",
     "recompiles_unlimited",
     "copy_codegen",
     "disable_current_modes",
@@ -193,6 +249,7 @@ __all__ = [
     "tree_map_only",
     "tree_structure",
     "tree_unflatten",
+    "uncompiled",
     "unset_fake_temporarily",
     "written_arguments",
 ]
@@ -218,3 +275,66 @@ def export_guards(program: Any) -> list[str] | None:
 # What ``torch.no_grad()`` records as when a graph calls it bare (export's training IR wraps it in
 # ``torch.ops.higher_order.wrap_with_set_grad_enabled`` instead; fxopt.capture.exception_safe).
 BARE_SET_GRAD_ENABLED = torch._C._set_grad_enabled
+
+
+# Where torch.utils.checkpoint dispatches: the non-reentrant generator and the reentrant
+# autograd Function's ``apply`` (a torch without one of them is left as it is).
+_CHECKPOINT_ENTRIES = ("_checkpoint_without_reentrant_generator_impl", "CheckpointFunction.apply")
+_CHECKPOINT_REFUSAL: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "fxopt_checkpoint_refusal", default=None)
+_GATES_LOCK = threading.Lock()
+_GATES: list[Any] = [0, []]  # scopes open in any thread; the callables putting torch back
+
+
+def _gate(entry: Callable) -> Callable:
+    """``entry`` as it is, except in a thread inside ``checkpoint_calls_refused``."""
+    @functools.wraps(entry)
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        refuse = _CHECKPOINT_REFUSAL.get()
+        if refuse is not None:
+            refuse()
+        return entry(*args, **kwargs)
+
+    return gated
+
+
+def _install_checkpoint_gates() -> list[Callable[[], None]]:
+    from torch.utils import checkpoint as torch_checkpoint
+
+    restore = []
+    for path in _CHECKPOINT_ENTRIES:
+        owner_name, _, name = path.rpartition(".")
+        owner = getattr(torch_checkpoint, owner_name) if owner_name else torch_checkpoint
+        entry = getattr(owner, name, None)
+        if entry is None:
+            continue
+        # put back exactly what was there: the object in the owner's own dict, or nothing
+        # (an inherited classmethod such as autograd.Function.apply)
+        restore.append(functools.partial(setattr, owner, name, vars(owner)[name])
+                       if name in vars(owner) else functools.partial(delattr, owner, name))
+        setattr(owner, name, staticmethod(_gate(entry)) if isinstance(owner, type)
+                else _gate(entry))
+    return restore
+
+
+@contextlib.contextmanager
+def checkpoint_calls_refused(refuse: Callable[[], None]) -> Iterator[None]:
+    """Inside, in this thread (and context) only, a call of ``torch.utils.checkpoint`` (either
+    variant) runs ``refuse()`` first, which raises. Other threads checkpoint as usual: torch's
+    two entry points are wrapped while any thread is inside (a wrapper that calls straight
+    through elsewhere) and put back when the last one leaves."""
+    with _GATES_LOCK:
+        if _GATES[0] == 0:
+            _GATES[1] = _install_checkpoint_gates()
+        _GATES[0] += 1
+    token = _CHECKPOINT_REFUSAL.set(refuse)
+    try:
+        yield
+    finally:
+        _CHECKPOINT_REFUSAL.reset(token)
+        with _GATES_LOCK:
+            _GATES[0] -= 1
+            if _GATES[0] == 0:
+                for put_back in _GATES[1]:
+                    put_back()
+                _GATES[1] = []

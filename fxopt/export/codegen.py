@@ -11,9 +11,14 @@ to it and the outside modules it imports. The module holds:
   ``self`` (``fxopt.runtime.regions``);
 - the model class: ``__init__`` rebuilds the module tree (``fxopt.export.module_tree``), attaches the
   constants, the input guard of an export-captured module (``InputGuard`` from the copied
-  ``fxopt.runtime.input_guard``, raising the copied ``fxopt.core.errors.InputError``) and the regions (``CheckpointedRegion`` from the copied ``fxopt.runtime.regions``), and
+  ``fxopt.runtime.input_guard``, raising the copied ``fxopt.runtime.errors.InputError``) and the
+  regions (``CheckpointedRegion`` from the copied ``fxopt.runtime.regions``), and
   ``forward`` is torch.fx's code generation of the root graph;
 - ``load(map_location)``: the class with ``state_dict.pt`` loaded (``weights_only=True``).
+
+The module imports public torch modules only, and refuses to import (``ImportError`` saying what
+to do) under a torch release other than the one it was generated with: torch.fx writes operators
+by the names that release gives them. ``FXOPT_ALLOW_OTHER_TORCH=1`` loads it anyway.
 
 Names are described in ``fxopt.export.names``, the tree in ``fxopt.export.module_tree``.
 """
@@ -43,14 +48,13 @@ EVAL_METHOD = "_forward_eval"
 
 HEADER = '''\
 import importlib.util
+import os
 import sys
 import weakref
 from math import inf, nan
 from pathlib import Path
 
 import torch
-import torch.fx._pytree as fx_pytree
-import torch.utils._pytree as pytree
 from torch import device
 
 NoneType = type(None)
@@ -58,15 +62,15 @@ _HERE = Path(__file__).resolve().parent
 
 
 def _runtime(filename):
-    """Load a runtime file of this folder under a name unique to the folder."""
-    path = _HERE / filename
-    name = f"_fxopt_export_{abs(hash(str(path)))}_{path.stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
+    """Load a runtime file of this folder as a module of a package made for the folder (the
+    runtime files import each other relatively), under a name unique to the folder."""
+    package = f"_fxopt_export_{abs(hash(str(_HERE)))}"
+    if package not in sys.modules:
+        spec = importlib.util.spec_from_loader(package, None, is_package=True)
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+        module.__path__.append(str(_HERE))
+        sys.modules[package] = module
+    return importlib.import_module(f"{package}.{Path(filename).stem}")
 
 
 def _new(cls):
@@ -82,6 +86,29 @@ def _param(shape, dtype, requires_grad):
 '''
 
 
+# Checked when model.py is imported: the generated code imports public torch modules only, but
+# torch.fx writes operators by the names the exporting release gives them (torch.ops.aten.*,
+# torch._C._nn.linear), which another release may rename or change.
+TORCH_CHECK = '''\
+TORCH_VERSION = {version!r}  # the torch this file was generated with
+
+
+def _release(version):
+    return tuple(str(version).split("+")[0].split(".")[:2])
+
+
+if _release(torch.__version__) != _release(TORCH_VERSION) and (
+        not os.environ.get({allow!r})):
+    raise ImportError(
+        f"{{__name__}} was exported by fxopt with torch {{TORCH_VERSION}}, and torch "
+        f"{{torch.__version__}} is installed: the generated code calls torch's operators by the "
+        "names that release gives them, which another release may rename or change. Export the "
+        "model again with this torch (fxopt optimize ... --out DIR), or set "
+        "{allow}=1 to load it anyway and compare its outputs with the original")
+'''
+ALLOW_OTHER_TORCH = "FXOPT_ALLOW_OTHER_TORCH"  # the variable that loads it under another torch
+
+
 @dataclass
 class Generated:
     source: str
@@ -93,7 +120,7 @@ class Generated:
 
 
 _TAKEN = frozenset({"load", "torch", "device", "inf", "nan", "NoneType", "Path", "sys", "weakref",
-                    "importlib", "fx_pytree", "pytree"})
+                    "importlib", "os", "TORCH_VERSION", "fx_pytree", "pytree"})
 
 
 def python_identifier(name: str) -> str:
@@ -241,7 +268,8 @@ def generate(gm: fx.GraphModule, class_name: str) -> Generated:
     source = "\n".join([
         f'"""{class_name} as optimized by fxopt, written as plain PyTorch (needs torch'
         f'{needs}).\n\nmodel = load()  # or {class_name}() then load_state_dict(...)\n"""\n',
-        HEADER, *imports.lines,
+        HEADER, TORCH_CHECK.format(version=str(torch.__version__), allow=ALLOW_OTHER_TORCH),
+        *imports.lines,
         *(f"{name} = {expr}" for name, expr in imports.fx_globals.items()), "",
         f"__all__ = [{class_name!r}, 'load']", "", "", *classes,
         f"class {class_name}(torch.nn.Module):",

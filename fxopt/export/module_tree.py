@@ -37,7 +37,11 @@ from fxopt.core.modules import (
     own_children,
     own_tensors,
 )
-from fxopt.core.torch_private import RNN_WEIGHT_CACHES, keeps_rnn_weight_cache
+from fxopt.core.torch_private import (
+    RNN_WEIGHT_CACHES,
+    RNN_WEIGHT_REBUILD,
+    keeps_rnn_weight_cache,
+)
 from fxopt.export.names import Imports
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
@@ -190,4 +194,4 @@ class TreeWriter:
         if items:
             self.lines.append(f"{var}.__dict__.update({{{', '.join(items)}}})")
         if rnn:
-            self.lines.append(f"{var}._init_flat_weights()")
+            self.lines.append(f"{var}.{RNN_WEIGHT_REBUILD}()")

@@ -5,6 +5,9 @@ and records the import it needs: from torch; from the module that defines it (a 
 function or leaf class: that module must then be importable where the export is loaded, and is
 listed in ``needs``); or, for fxopt's own modules that import nothing but torch and the standard
 library (``fxopt.runtime.regions``), from a copy of that module written next to the generated one.
+A runtime module may import its siblings relatively (``from .errors import InputError``): they
+are copied too, and the copy's import names the sibling's copy (the generated module loads the
+copies as modules of one package made for the folder, so relative imports resolve there).
 Anything else -- objects defined inside a function or in ``__main__``, fxopt modules that need
 more than torch -- is an ``ExportError``.
 """
@@ -15,6 +18,7 @@ import ast
 import builtins
 import importlib
 import inspect
+import re
 import sys
 from typing import Any
 
@@ -23,25 +27,50 @@ from torch import fx
 from fxopt.core.errors import ExportError
 
 _OWN_DISTRIBUTION = ("fxopt", "passes", "models_zoo")
-# fx's generated code uses these without an import of its own; the generated header has them.
+# fx's generated code uses these without an import of its own; the generated header has them,
+# but for fx's pytree helpers (torch's private pytree modules), which a graph may not use.
 FX_BUILTINS = frozenset({"inf", "nan", "NoneType", "torch", "device", "fx_pytree", "pytree"})
+_PYTREE_USE = re.compile(r"\b(?:fx_)?pytree\.")
 
 
-def is_torch_only(source: str) -> bool:
-    """Whether a module's top-level imports are all torch, the standard library or __future__."""
+def torch_only_siblings(source: str) -> list[str] | None:
+    """The sibling modules a module imports relatively (``from .errors import ...`` gives
+    ``errors``) when its top-level imports are otherwise all torch, the standard library or
+    __future__; None when it imports anything else."""
     allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    siblings = []
     for node in ast.parse(source).body:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
+            if node.level == 1 and node.module:
+                siblings.append(node.module)
+                continue
             if node.level:
-                return False
+                return None
             names = [node.module or ""]
         else:
             continue
         if any(name.split(".")[0] not in allowed for name in names):
-            return False
-    return True
+            return None
+    return siblings
+
+
+def runtime_filename(module_name: str) -> str:
+    """The file a copy of the fxopt module ``module_name`` is written to in an exported folder."""
+    return f"_runtime_{module_name.replace('.', '_')}.py"
+
+
+def _copied_source(source: str, package: str) -> str:
+    """``source`` with each relative import of a sibling naming the sibling's copy."""
+    lines = source.splitlines(keepends=True)
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            line = lines[node.lineno - 1]
+            stem = runtime_filename(f"{package}.{node.module}")[:-len(".py")]
+            lines[node.lineno - 1] = line.replace(f"from .{node.module} import",
+                                                  f"from .{stem} import", 1)
+    return "".join(lines)
 
 
 def qualified_name(obj: Any) -> tuple[str, str] | None:
@@ -94,16 +123,8 @@ class Imports:
         alias = f"_import_{len(self._modules)}"
         root = module_name.split(".")[0]
         if root in _OWN_DISTRIBUTION:
-            source = inspect.getsource(importlib.import_module(module_name))
-            if not is_torch_only(source):
-                raise ExportError(
-                    f"cannot export standalone: {where} uses {module_name}, which needs more "
-                    "than torch", where=where,
-                    hint="leave out the pass that introduced it, or keep fxopt installed and use "
-                         "the optimized module from Python")
-            filename = f"_runtime_{module_name.replace('.', '_')}.py"
-            self.runtime_files[filename] = source
-            self.lines.append(f"{alias} = _runtime({filename!r})")
+            self._copy(module_name, where)
+            self.lines.append(f"{alias} = _runtime({runtime_filename(module_name)!r})")
         else:
             if root != "torch" and module_name not in self.needs:
                 self.needs.append(module_name)
@@ -111,10 +132,33 @@ class Imports:
         self._modules[module_name] = alias
         return alias
 
+    def _copy(self, module_name: str, where: str) -> None:
+        """Copy ``module_name`` and the siblings it imports relatively into the folder's files;
+        an ``ExportError`` when one needs more than torch."""
+        filename = runtime_filename(module_name)
+        if filename in self.runtime_files:
+            return
+        source = inspect.getsource(importlib.import_module(module_name))
+        siblings = torch_only_siblings(source)
+        if siblings is None:
+            raise ExportError(
+                f"cannot export standalone: {where} uses {module_name}, which needs more "
+                "than torch", where=where,
+                hint="leave out the pass that introduced it, or keep fxopt installed and use "
+                     "the optimized module from Python")
+        package = module_name.rpartition(".")[0]
+        self.runtime_files[filename] = _copied_source(source, package)
+        for sibling in siblings:
+            self._copy(f"{package}.{sibling}", f"{where}, through {module_name}")
+
     def forward_source(self, graph: fx.Graph, where: str, name: str = "forward") -> str:
         """``def <name>(self, ...)`` from torch.fx's code generation, indented for a class; the
         globals it uses become module-level names of the generated module."""
         code = graph.python_code(root_module="self")
+        if _PYTREE_USE.search(code.src):
+            raise ExportError(f"cannot export: {where} flattens its arguments with torch's "
+                              "private pytree modules (a graph with a pytree calling convention)",
+                              where=where, hint="report this model to fxopt")
         code.src = code.src.replace("def forward(", f"def {name}(", 1)
         for name, obj in code.globals.items():
             if name in FX_BUILTINS or getattr(builtins, name, None) is obj:

@@ -11,12 +11,14 @@ from typing import Any
 from torch import fx
 
 from fxopt.analysis.estimate import PeakEstimate, estimate_peak
-from fxopt.capture.meta import placeholder_values
+from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import TraceInfo
 from fxopt.core.errors import InputError
 from fxopt.core.step import FROM_LOSS
 from fxopt.measure.peaks import MemoryReport, format_bytes
+from fxopt.rewrite.pass_base import stats_lines
 from fxopt.rewrite.pipeline import PassRecord
+from fxopt.runtime.fused_step import FusedOptimizers
 from fxopt.verify.equivalence import VerifyReport
 
 _FRONTENDS = {"fx": "fx (symbolic tracing)", "export": "export (torch.export)"}
@@ -42,6 +44,7 @@ class Report:
                 "leaves": [vars(leaf) for leaf in self.trace.leaves],
                 "frontend": self.trace.frontend,
                 "not_used": {name: why for name, why in self.trace.not_used},
+                "leaf_runs": list(getattr(self.trace, "leaf_runs", ())),
             },
             "passes": [p.as_dict() for p in self.passes],
             "verification": self.verification.as_dict() if self.verification else None,
@@ -69,6 +72,7 @@ class Report:
                         if self.trace.leaves else "; fully traced"))
         for leaf in self.trace.leaves:
             lines.append(f"    {leaf.path} ({leaf.module_type}): {leaf.reason}")
+        lines.extend(f"    {line}" for line in getattr(self.trace, "leaf_runs", ()))
         for name, why in self.trace.not_used:
             lines.append(f"    {name} not used: {why}")
         if not self.passes:
@@ -78,8 +82,7 @@ class Report:
                               if not isinstance(v, (list, dict)))
             lines.append(f"  {record.name:<22} {'changed' if record.modified else 'unchanged':<9} "
                          f"{record.seconds * 1e3:7.1f} ms  {stats}")
-            lines.extend(_region_lines(record.stats.get("regions", [])))
-            lines.extend(_padded_op_lines(record.stats.get("ops", [])))
+            lines.extend("    " + line for line in stats_lines(record.stats))
         table = peaks_table(self.predicted_before, self.predicted_after, self.memory_before,
                             self.memory_after)
         if table:
@@ -117,32 +120,17 @@ def _stat(key: str, value: Any) -> Any:
     return value
 
 
-def _region_lines(regions: list[dict[str, Any]]) -> list[str]:
-    """One line per recomputed region: span, mode, predicted extra time and memory saved."""
-    return [
-        f"    {r['region']:<18} {r['mode']:<9} {r['nodes']:>3} nodes  {r['first']} .. {r['last']}: "
-        f"keeps {format_bytes(r['kept_bytes_saved'])} less, rebuilds "
-        f"{format_bytes(r['rebuilt_bytes'])} in backward, +{r['predicted_extra_ms']:.2f} ms predicted"
-        for r in regions if "kept_bytes_saved" in r
-    ]
-
-
-def _padded_op_lines(ops: list[dict[str, Any]]) -> list[str]:
-    """One line per op pad_channels padded: old -> new shapes and the FLOPs it adds."""
-    return [f"    {op['node']:<18} {op['old']}  =>  {op['new']}  (+{op['extra_flops']:,} FLOPs)"
-            for op in ops if "old" in op and "new" in op]
-
-
 def _memory_dict(report: MemoryReport | None) -> dict[str, Any] | None:
     if report is None:
         return None
     return {"train": report.train.as_dict(), "inference": report.inference.as_dict()}
 
 
-def predicted_peaks(gm: fx.GraphModule) -> PeakEstimate | str:
+def predicted_peaks(gm: fx.GraphModule, fused_optimizer: FusedOptimizers = None
+                    ) -> PeakEstimate | str:
     """``estimate_peak`` of ``gm`` on its placeholders' fake values, or why it cannot be had."""
     try:
-        return estimate_peak(gm, placeholder_values(gm))
+        return estimate_peak(gm, placeholder_values(gm), fused_optimizer=fused_optimizer)
     except InputError as error:
         return error.what
 

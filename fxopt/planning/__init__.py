@@ -7,4 +7,6 @@
   each plan against ``estimate_peak``.
 - ``schedule``: legal orders of a graph and candidate memory-aware schedules.
 - ``pad_plan`` / ``pad_policy``: which ops to pad, where padding flows, and when it pays.
+- ``inplace``: which activation call sites may overwrite their input (``inplace_activations``).
+- ``causal_mask``: which masked attention calls are provably causal (``causal_attention``).
 """

@@ -29,7 +29,7 @@ from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.analysis.estimate import estimate_inference_peak, estimate_train_peak
 from fxopt.analysis.randomness import draws_random_numbers
 from fxopt.analysis.writes import overwritten_inputs
-from fxopt.capture.meta import placeholder_values
+from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import graph_module_like
 from fxopt.core.tensors import storage_bytes
 from fxopt.core.torch_private import copy_codegen

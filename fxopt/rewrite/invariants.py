@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from fxopt.core import meta_keys
 from fxopt.core.errors import PassError
 
 
@@ -42,7 +43,7 @@ def graph_problems(gm: fx.GraphModule, before: GraphSnapshot) -> list[str]:
     for node in gm.graph.nodes:
         if node.op != "output" and "val" not in node.meta:
             problems.append(f"node {node.name} ({node.op} {node.target}) has no meta['val']")
-        if node.name not in before.node_names and "fxopt_pass" not in node.meta:
+        if node.name not in before.node_names and meta_keys.PASS not in node.meta:
             problems.append(f"new node {node.name} has no meta['fxopt_pass'] provenance")
     after = snapshot(gm)
     if after.state_shapes != before.state_shapes:

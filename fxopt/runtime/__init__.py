@@ -7,7 +7,12 @@
 - ``eval_forward``: the eval-mode graph a module with a graph per training mode dispatches to.
 - ``input_guard``: the first node of a graph captured by torch.export, which refuses inputs
   outside what export captured (a size it specialised, another dtype or structure).
+- ``fused_step`` and ``fuse``: the optimizer step fused into backward (``FusedOptimizer``, and
+  ``fuse_optimizer``, its public factory), which the user's training loop runs.
+- ``errors``: every error fxopt raises (``fxopt.core.errors`` re-exports them), so the code
+  above raises them itself.
 
-Every module here imports torch and the standard library only (``tests/test_layers.py`` checks
-it): the exporter copies them next to the generated code, where fxopt is not installed.
+Every module here imports torch, the standard library and its siblings (relatively: ``from
+.errors import InputError``) only (``tests/test_layers.py`` checks it): the exporter copies the
+ones a graph calls next to the generated code, where fxopt is not installed.
 """

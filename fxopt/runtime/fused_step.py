@@ -47,8 +47,8 @@ after fusing), and marks the end of the step. A parameter whose gradient arrives
 reentrant checkpoint) raises instead of being stepped twice. ``zero_grad()`` sets the gradients
 to None, as ``zero_grad(set_to_none=True)`` does.
 
-Raised as errors rather than silently different (``error`` is the class raised; fxopt passes
-``fxopt.core.errors.InputError``, which this module may not import): ``step(closure)``,
+Raised as ``InputError`` (``fxopt.runtime.errors``) rather than silently different:
+``step(closure)``,
 GradScaler's ``scaler.step(fused)`` (the scaled gradients were already applied: found when the
 scaler calls ``step()``, after the first step, because backward cannot tell a scaled loss), step
 hooks, a second gradient before ``step()``.
@@ -70,13 +70,16 @@ checkpointing (non-reentrant, as fxopt's regions are) a parameter is stepped onl
 backward node using it has run, and a region is recomputed before the first of its nodes runs,
 so a recomputation never reads an updated parameter through a differentiable path.
 
-``fused_parameters(module)`` says which parameters of a module have their gradient freed in
-backward (the memory estimate reads it). Inside ``paused()`` the fused optimizers made before it
+``fused_parameters(module, fused)`` says which parameters of a module the fused optimizers
+``fused`` free in backward: the memory estimate and the checkpoint planner take the fused
+optimizer as an argument (``fxopt.optimize(..., fused_optimizer=fused)``), never from the set of
+fused optimizers alive in the process, which only ``fuse_optimizer`` reads (to refuse fusing a
+parameter twice). Inside ``paused()`` the fused optimizers made before it
 leave backward alone: code that runs training steps it must undo (``preserved_state`` restores
 gradients and buffers, not parameter values an update changed) runs there. The hooks sit on the
 Parameter objects, so fusing fxopt's GraphModule also fuses the user's model that shares them.
-Imports torch and the standard library only (``tests/test_layers.py``), like all of
-``fxopt.runtime``.
+Imports torch, the standard library and ``fxopt.runtime.errors`` only (``tests/test_layers.py``),
+like all of ``fxopt.runtime``.
 """
 
 from __future__ import annotations
@@ -90,7 +93,11 @@ from typing import Any
 import torch
 from torch import nn
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # every FusedOptimizer not removed
+from .errors import InputError
+
+# Every FusedOptimizer not removed: only ``fused_optimizer_of`` reads it (two fused optimizers
+# on one parameter would step it twice). No estimate or plan reads it: they are given theirs.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 DEFAULT_BUCKET_BYTES = 2**20  # parameters smaller than this are stepped a few at a time
 _PAUSED = [0]  # how many ``paused()`` blocks are open
 
@@ -130,7 +137,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module, *,
                  accumulation_steps: int = 1, clip_grad_value: float | None = None,
                  max_grad_norm_per_parameter: float | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, error: type[Exception] = RuntimeError):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         # torch.optim.Optimizer.__init__ is not called: the state is the ordinary optimizer's.
         self.optimizer = optimizer
         self.module = module
@@ -138,7 +145,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.clip_grad_value = clip_grad_value
         self.max_grad_norm_per_parameter = max_grad_norm_per_parameter
         self.bucket_bytes = bucket_bytes
-        self.error = error
         self.ddp = module if isinstance(module, nn.parallel.DistributedDataParallel) else None
         inner = self.ddp.module if self.ddp is not None else module
         self.names = {id(p): n for n, p in inner.named_parameters(remove_duplicate=False)}
@@ -201,7 +207,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise self.error("a fused optimizer cannot be pickled or copied: it lives in hooks on "
+        raise InputError("a fused optimizer cannot be pickled or copied: it lives in hooks on "
                          "the model's parameters", where="FusedOptimizer (pickle, copy.deepcopy)",
                          hint="save fused.state_dict(); after loading, fuse again and "
                               "load_state_dict() it")
@@ -222,13 +228,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         """End of a training step: the hooks have updated the parameters; step any parameter
         still holding a gradient not applied, and forget which ones were updated."""
         if closure is not None:
-            raise self.error(
+            raise InputError(
                 "a fused optimizer cannot take a closure: the parameters were updated during "
                 "backward, one by one", where=f"{type(self.optimizer).__name__}.step(closure)",
                 hint="call step() without a closure, or train with the ordinary optimizer")
         if kwargs or getattr(self, "grad_scale", None) is not None or \
                 getattr(self, "found_inf", None) is not None:
-            raise self.error(
+            raise InputError(
                 "GradScaler cannot drive a fused optimizer: the scaled gradients were already "
                 "applied in backward, and the inf/NaN check that skips a step needs every "
                 "gradient before any update", where="GradScaler.step(fused optimizer)",
@@ -260,7 +266,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._refuse_step_hooks()
 
     def _refuse_step_hooks(self) -> None:
-        raise self.error(
+        raise InputError(
             "a fused optimizer has no whole-model step to hook: each parameter is stepped on "
             "its own during backward", where="FusedOptimizer.register_step_*_hook",
             hint="hook the ordinary optimizer (fused.optimizer): its hooks then run once per "
@@ -328,7 +334,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _second_gradient(self, p: torch.Tensor, pieces: int) -> None:
         name = self.names.get(id(p), "a parameter")
-        raise self.error(
+        raise InputError(
             f"parameter {name} received a gradient from backward pass {pieces} since the last "
             f"step(), with accumulation_steps={self.accumulation_steps}: a fused optimizer would "
             "update it twice where the ordinary optimizer sums the gradients and steps once",
@@ -400,11 +406,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._applied.add(id(p))
 
 
-def live_fused_optimizers() -> list[FusedOptimizer]:
-    """Every ``FusedOptimizer`` not removed (paused or not), oldest first not guaranteed."""
-    return list(_LIVE)
-
-
 def fused_optimizer_of(p: torch.Tensor) -> FusedOptimizer | None:
     """The ``FusedOptimizer`` stepping ``p`` in backward (not removed, paused or not), if any."""
     for fused in list(_LIVE):
@@ -413,10 +414,30 @@ def fused_optimizer_of(p: torch.Tensor) -> FusedOptimizer | None:
     return None
 
 
-def fused_parameters(module: nn.Module) -> set[torch.Tensor]:
-    """The parameters of ``module`` whose gradient a ``FusedOptimizer`` applies and frees during
-    every backward pass (``frees_gradients_in_backward``: no DDP, no gradient accumulation),
-    also while it is ``paused()``: this describes the user's training, not fxopt's own runs.
+# What an estimate or a plan is told about the user's fused step: none, one, or several.
+FusedOptimizers = FusedOptimizer | Iterable[FusedOptimizer] | None
+
+
+def fused_optimizers(fused: FusedOptimizers) -> tuple[FusedOptimizer, ...]:
+    """``fused`` as a tuple: None for none, one ``FusedOptimizer``, or several (a model whose
+    parameters two fused optimizers share out)."""
+    if fused is None:
+        return ()
+    found = (fused,) if isinstance(fused, FusedOptimizer) else tuple(fused)
+    for item in found:
+        if not isinstance(item, FusedOptimizer):
+            raise InputError(f"fused_optimizer: a {type(item).__name__}, not a FusedOptimizer",
+                             where="fused_optimizer=",
+                             hint="pass what fxopt.fuse_optimizer returned (or several in a "
+                                  "tuple), or None when the optimizer step is not fused")
+    return found
+
+
+def fused_parameters(module: nn.Module, fused: FusedOptimizers) -> set[torch.Tensor]:
+    """The parameters of ``module`` whose gradient one of ``fused`` applies and frees during
+    every backward pass (``frees_gradients_in_backward``: not removed, no DDP, no gradient
+    accumulation), also while it is ``paused()``: this describes the user's training, not
+    fxopt's own runs.
 
     For a memory estimate: such a gradient is alive from its accumulation to the end of its
     parameter's step (which allocates the step's temporaries, and on the first step the
@@ -426,8 +447,8 @@ def fused_parameters(module: nn.Module) -> set[torch.Tensor]:
     """
     ids = {id(p): p for p in module.parameters()}
     found: set[torch.Tensor] = set()
-    for fused in list(_LIVE):
-        if fused.frees_gradients_in_backward:
-            found.update(ids[id(p)] for p in fused.parameters()
+    for one in fused_optimizers(fused):
+        if one.frees_gradients_in_backward:
+            found.update(ids[id(p)] for p in one.parameters()
                          if id(p) in ids and p.requires_grad)
     return found

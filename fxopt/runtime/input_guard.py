@@ -19,15 +19,15 @@ A *recipe* (``Leaf``, ``Const``, ``Seq``, ``Map``, ``Fields``) describes a neste
 where its tensors are, and the containers and plain values around them; ``fxopt.capture.recipes``
 builds and reads them.
 
-A mismatch raises the error class the guard was given (fxopt gives
-``fxopt.core.errors.InputError``, which this module may not import: see the last line). Under
+A mismatch raises ``InputError`` (``fxopt.runtime.errors``, re-exported as
+``fxopt.core.errors.InputError``). Under
 symbolic tracing (an fx proxy among the arguments) the guard records itself as a graph node
 instead, so optimizing a captured module keeps it. It checks inputs only, not what forward
 does with them. The guard pickles with the module (``torch.save``), and ``fxopt.export`` writes
 it as a constructor call (every field is a literal: ints, strings, dtypes, tuples, dicts). Not
 handled: recipes naming classes defined inside a function (they neither pickle nor export).
-Imports torch and the standard library only (``tests/test_layers.py``), like all of
-``fxopt.runtime``.
+Imports torch, the standard library and ``fxopt.runtime.errors`` (relatively, so an exported
+folder's copies import each other) only (``tests/test_layers.py``), like all of ``fxopt.runtime``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 from torch import fx
+
+from .errors import InputError
 
 PLAIN = (type(None), bool, int, float, str)  # values a recipe holds as they are (``Const``)
 
@@ -197,15 +199,14 @@ class TensorSpec:
 
 
 class InputGuard:
-    """Raises ``error`` when a call's inputs differ from what the graph was captured for.
+    """Raises ``InputError`` when a call's inputs differ from what the graph was captured for.
 
     Called by the graph with forward's arguments, in placeholder order, and ``state``: the
     parameters and buffers the graph reads. ``params`` is each argument's name and recipe;
     ``tensors`` the fixed dims (int) or symbols (str) of each tensor (by its ``Leaf`` index);
     ``ranges`` each symbol's (lowest, highest or None) size; ``checks`` pairs of a size
     expression that must be true and why (the module docstring); ``state`` the qualified name,
-    dtype and device type of each tensor passed as ``state``, as captured. ``error`` is called
-    as ``error(what, where=..., hint=...)`` (``fxopt.core.errors.InputError``).
+    dtype and device type of each tensor passed as ``state``, as captured.
     """
 
     __name__ = "fxopt_input_guard"
@@ -213,19 +214,18 @@ class InputGuard:
     state: tuple = ()
 
     def __init__(self, model_name: str, params: tuple, tensors: tuple[TensorSpec, ...],
-                 ranges: dict[str, tuple[int, int | None]], *, error: type[Exception],
-                 checks: tuple = (), state: tuple = ()):
+                 ranges: dict[str, tuple[int, int | None]], *, checks: tuple = (),
+                 state: tuple = ()):
         self.model_name = model_name
         self.params = params
         self.tensors = tensors
         self.ranges = dict(ranges)
-        self.error = error
         self.checks = tuple(checks)
         self.state = tuple(state)
 
     def _key(self) -> tuple:
         return (self.model_name, self.params, self.tensors, tuple(sorted(self.ranges.items())),
-                self.error, self.checks, self.state)
+                self.checks, self.state)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, InputGuard) and self._key() == other._key()
@@ -268,7 +268,7 @@ class InputGuard:
                 hint = (f"optimize the model in its training dtype: call fxopt.optimize on the "
                         f"model after .to({t.dtype}) (or convert this module back to {dtype}; "
                         "for mixed precision, run it under torch.autocast)")
-            raise self.error(
+            raise InputError(
                 f"{model} was captured by torch.export with {name} of dtype {dtype} on "
                 f"{device_type}, and it is now {t.dtype} on {t.device.type} (the module was "
                 "converted after capture, e.g. with .to(), .half(), .double()); the captured "
@@ -284,7 +284,7 @@ class InputGuard:
             shown = reads(core(expr)) or reads(expr)
             got = ", ".join(f"{render(r, names)} = {evaluate(r, tensors)}" for r in shown)
             where = render(shown[0], names) if shown else "sizes"
-            raise self.error(
+            raise InputError(
                 f"{self.model_name} was captured by torch.export for calls where "
                 f"{render(expr, names)} ({why}); this call gives {got}", where=
                 f"{self.model_name}.forward argument {where}",
@@ -293,7 +293,7 @@ class InputGuard:
                      "or pad the inputs to sizes the captured module serves")
 
     def _fail(self, what: str, where: str, hint: str) -> None:
-        raise self.error(f"{self.model_name} was captured by torch.export {what}",
+        raise InputError(f"{self.model_name} was captured by torch.export {what}",
                          where=f"{self.model_name}.forward argument {where}", hint=hint)
 
     def _match(self, recipe: Any, value: Any, where: str, found: dict) -> None:

@@ -56,13 +56,20 @@ from torch.utils.checkpoint import (
 )
 
 aten = torch.ops.aten
+# ATen ops with a leading underscore: no public promise, so looked up by name (a torch without
+# one still imports this module; the op is then not kept). They are named here rather than in
+# fxopt.core.torch_private because the runtime cannot import fxopt (export copies it where fxopt
+# is not installed); tests/test_torch_private.py checks each exists in the installed torch.
+PRIVATE_HEAVY_OPS = ("_scaled_mm", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention",
+                     "_scaled_dot_product_cudnn_attention",
+                     "_scaled_dot_product_flash_attention_for_cpu")
 # The ops selective recomputation keeps (their outputs are saved, everything else in a selective
 # region is recomputed). fxopt's cost model calls a node heavy when one of these runs inside it,
 # so the planner and the run time agree on what a selective region keeps.
 HEAVY_ATEN_OPS = frozenset({
-    aten.convolution, aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm,
-    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+    aten.convolution, aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
+    *(getattr(aten, name) for name in PRIVATE_HEAVY_OPS if hasattr(aten, name)),
 })
 
 
