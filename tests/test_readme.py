@@ -1,23 +1,30 @@
-"""README.md's code blocks, run as written.
+"""The code blocks of README.md and of every ``docs/*.md`` page, run as written.
 
-The rules, by the block's info string:
+Every fenced block carries one of three info strings, and the rules follow it:
 
 - ```python: run as a script by the venv's Python in a fresh process (``runpy.run_path``), then
-  every top-level ``test_*`` function it defines is called (the README shows tests a user would
-  put in their suite).
+  every top-level ``test_*`` function it defines is called (the docs show tests a user would put
+  in their suite).
 - ```bash: run by ``bash -e -o pipefail`` with the venv's ``bin`` first on ``PATH`` (``fxopt``
   and ``python`` are the venv's), in a scratch directory where ``.venv`` links to the venv. The
-  bash blocks share that directory and run in README order, so a later block may use a file an
-  earlier one wrote. Skipped, by ``SKIP_BASH``: the set-up commands, which create the venv
-  (``python3 -m venv``) or run the whole test suite (``pytest``).
-- Untagged blocks are recorded output, not run; but every ``$ fxopt ...`` line in them must still
-  parse with the CLI of today (``argparse``, nothing runs), so a transcript cannot name an option
-  that is gone.
+  bash blocks share that directory and run in order (README first, then the pages by name), so a
+  later block may use a file an earlier one wrote.
+- ```text: recorded output, a diagram or a table; not run. Every ``$ fxopt ...`` line in one must
+  still parse with the CLI of today (``argparse``, nothing runs), so a transcript cannot name an
+  option that is gone.
 
-Code blocks of ``docs/*.md`` files the README links to follow the same rules.
+Two HTML comments, each on the line right before a fence, refine this:
+
+- ``<!-- not run: WHY -->`` before a python or bash block: the block is not run. Only the
+  set-up commands may say so (creating the venv, running this whole suite), and the test checks
+  that such blocks stay that few and say why.
+- ``<!-- output of the block above -->`` before a text block that follows a python or bash
+  block: what that block printed, checked against what it prints now. A line ``...`` stands for
+  any number of lines, ``...`` inside a line for any text (timings, which change from run to
+  run); every other line must be printed as written, in that order.
 
 The python blocks and the bash blocks run in two lanes at once (one torch thread each): the whole
-file takes about a minute on two cores.
+file takes about two minutes on two cores.
 """
 
 from __future__ import annotations
@@ -37,27 +44,42 @@ from fxopt.cli import commands as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-SKIP_BASH = {"python3 -m venv": "creates the venv (the set-up command)",
-             "pytest": "runs the whole test suite (the set-up command)"}
-MIN_BLOCKS_RUN = 7
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LANGS = ("python", "bash", "text")
+NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")
+OUTPUT = "<!-- output of the block above -->"
+MAX_NOT_RUN = 2  # the two set-up commands
+MIN_BLOCKS_RUN = 12
+README_MAX_LINES = 200
 TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
 class Block:
     path: Path
-    line: int
+    line: int           # the opening fence's line number
     lang: str
     text: str
+    marker: str = ""    # the HTML comment on the line before the fence, if any
+    output_of: int = 0  # for a checked output: the line of the block it is the output of
 
     @property
     def id(self) -> str:
-        return f"{self.path.name}:{self.line}:{self.lang or 'output'}"
+        return f"{self.path.name}:{self.line}:{self.lang or 'untagged'}"
+
+    @property
+    def not_run(self) -> str | None:
+        """Why the block is not run, or None when it runs."""
+        if self.lang not in ("python", "bash"):
+            return "recorded output" if self.lang == "text" else "untagged"
+        match = NOT_RUN.match(self.marker)
+        return match.group(1) if match else None
 
 
 def code_blocks(path: Path) -> list[Block]:
-    """Every fenced block of a Markdown file: its first line's number, info string and text."""
-    blocks, lines = [], path.read_text().splitlines()
+    """Every fenced block of a Markdown file, with its marker and the block it is output of."""
+    blocks: list[Block] = []
+    lines = path.read_text().splitlines()
     index = 0
     while index < len(lines):
         opening = re.match(r"^```(\S*)\s*$", lines[index])
@@ -65,30 +87,21 @@ def code_blocks(path: Path) -> list[Block]:
             index += 1
             continue
         end = next(i for i in range(index + 1, len(lines)) if lines[i].startswith("```"))
+        marker = lines[index - 1].strip() if index and lines[index - 1].startswith("<!--") else ""
+        output_of = 0
+        if marker == OUTPUT and blocks:
+            closing = blocks[-1].line + blocks[-1].text.count("\n")  # the previous block's end
+            if not "".join(lines[closing + 1:index - 1]).strip():
+                output_of = blocks[-1].line
         blocks.append(Block(path, index + 1, opening.group(1),
-                            "\n".join(lines[index + 1:end]) + "\n"))
+                            "\n".join(lines[index + 1:end]) + "\n", marker, output_of))
         index = end + 1
     return blocks
 
 
-def linked_docs() -> list[Path]:
-    """The ``docs/*.md`` files README.md links to."""
-    names = re.findall(r"\]\((docs/[^)#]+\.md)", (ROOT / "README.md").read_text())
-    return sorted({ROOT / name for name in names})
-
-
-def all_blocks() -> list[Block]:
-    return [b for path in [ROOT / "README.md", *linked_docs()] for b in code_blocks(path)]
-
-
-def skip_reason(block: Block) -> str | None:
-    if block.lang == "bash":
-        return next((why for word, why in SKIP_BASH.items() if word in block.text), None)
-    return None if block.lang == "python" else "recorded output"
-
-
-BLOCKS = all_blocks()
-RUN = [b for b in BLOCKS if skip_reason(b) is None]
+BLOCKS = [block for page in PAGES for block in code_blocks(page)]
+RUN = [b for b in BLOCKS if b.not_run is None]
+EXPECTED = {(b.path, b.output_of): b for b in BLOCKS if b.output_of}
 
 
 def _env() -> dict[str, str]:
@@ -100,7 +113,7 @@ def _env() -> dict[str, str]:
 
 
 def _run_python(block: Block, workdir: Path) -> subprocess.CompletedProcess:
-    script = workdir / f"readme_{block.line}.py"
+    script = workdir / f"{block.path.stem}_{block.line}.py"
     script.write_text(block.text)
     runner = ("import runpy, sys\n"
               "namespace = runpy.run_path(sys.argv[1], run_name='__main__')\n"
@@ -134,11 +147,58 @@ def results(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     return {key: value for lane in done for key, value in lane.items()}
 
 
-def test_the_rules_leave_enough_blocks_to_run():
-    skipped = {b.id: skip_reason(b) for b in BLOCKS if b.lang == "bash" and skip_reason(b)}
-    assert len(skipped) == 2, skipped  # the two set-up commands, and nothing else
+def output_pattern(expected: str) -> re.Pattern:
+    """A recorded output as a regex: ``...`` alone on a line is any number of lines, ``...``
+    inside a line any text; trailing spaces are ignored."""
+    parts = []
+    for line in expected.rstrip("\n").splitlines():
+        if line.strip() == "...":
+            parts.append(r"(?:[^\n]*\n)*?")
+        else:
+            parts.append(".*?".join(map(re.escape, line.rstrip().split("..."))) + r"[ \t]*\n")
+    return re.compile("".join(parts), re.DOTALL)
+
+
+def matches_output(expected: str, printed: str) -> bool:
+    printed = "\n".join(line.rstrip() for line in printed.splitlines()).rstrip("\n") + "\n"
+    return output_pattern(expected).fullmatch(printed) is not None
+
+
+def test_every_block_is_tagged_and_few_are_not_run():
+    untagged = [b.id for b in BLOCKS if b.lang not in LANGS]
+    assert not untagged, f"tag these blocks python, bash or text: {untagged}"
+    not_run = {b.id: b.not_run for b in BLOCKS if b.lang in ("python", "bash") and b.not_run}
+    assert len(not_run) <= MAX_NOT_RUN, f"blocks marked not run: {not_run}"
+    assert all(len(why.split()) >= 4 for why in not_run.values()), not_run
+    assert all(b.path.name == "README.md" for b in BLOCKS if b.id in not_run), not_run
+    stray = [b.id for b in BLOCKS if b.marker.startswith("<!-- not run") and b.lang == "text"]
+    assert not stray, f"text blocks never run; the marker is for python and bash: {stray}"
     assert len(RUN) >= MIN_BLOCKS_RUN, [b.id for b in RUN]
     assert {b.lang for b in RUN} == {"python", "bash"}
+
+
+def test_every_checked_output_follows_a_block_that_runs():
+    marked = [b for b in BLOCKS if b.marker == OUTPUT]
+    assert marked, "no recorded output is checked"
+    for block in marked:
+        assert block.lang == "text" and block.output_of, (
+            f"{block.id}: {OUTPUT} must come right before a text block that follows a block")
+        source = next(b for b in BLOCKS if b.path == block.path and b.line == block.output_of)
+        assert source in RUN, f"{block.id} is the output of {source.id}, which does not run"
+        assert not any(line.startswith("$ ") for line in block.text.splitlines()), (
+            f"{block.id}: a checked output holds what was printed, not the commands")
+
+
+def test_the_set_up_commands_are_what_ci_runs():
+    """README's two set-up commands are the ones not run here: the test command is this suite,
+    and ``.ci/run`` runs it verbatim after creating the venv the same way."""
+    setup = [b for b in BLOCKS if b.lang == "bash" and b.not_run]
+    ci = (ROOT / ".ci" / "run").read_text()
+    venv, tests = (b.text.strip() for b in setup)
+    assert venv.startswith("python3 -m venv .venv && .venv/bin/pip install -c constraints.txt")
+    assert tests == ".venv/bin/python -m pytest -q" and ci.rstrip().endswith(tests)
+    install = venv.split(" && ")[1].replace("pip install ", "pip install -q ")
+    assert install in ci, "the README and .ci/run install the venv differently"
 
 
 @pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
@@ -148,12 +208,26 @@ def test_block_runs_as_written(block, results):
         f"{block.id} exited {process.returncode}\n--- block\n{block.text}--- stdout\n"
         f"{process.stdout[-3000:]}--- stderr\n{process.stderr[-3000:]}")
     assert "Traceback" not in process.stderr
+    expected = EXPECTED.get((block.path, block.line))
+    if expected is not None:
+        assert matches_output(expected.text, process.stdout), (
+            f"{expected.id} is not what {block.id} prints now; it printed:\n{process.stdout}")
+
+
+def test_the_output_check_is_exact_where_it_should_be():
+    printed = "fxopt report for Net\n  time: 1.23 s\n  a\n  b\npeak 36.2 MiB\n"
+    assert matches_output("fxopt report for Net\n  time: ... s\n...\npeak 36.2 MiB\n", printed)
+    assert not matches_output("fxopt report for Net\n  time: ... s\npeak 36.2 MiB\n", printed)
+    assert not matches_output("fxopt report for Net\n...\npeak 36.3 MiB\n", printed)
+    assert not matches_output("...\npeak 36.2 MiB\nmore\n", printed)
 
 
 def _transcript_commands() -> list[tuple[str, list[str]]]:
-    """``(where, argv)`` of every ``$ fxopt ...`` line in the untagged blocks."""
+    """``(where, argv)`` of every ``$ fxopt ...`` line in the text blocks."""
     found = []
     for block in BLOCKS:
+        if block.lang != "text":
+            continue
         for offset, line in enumerate(block.text.splitlines()):
             if line.startswith("$ fxopt "):
                 command = line[2:].split(";")[0]
@@ -164,7 +238,7 @@ def _transcript_commands() -> list[tuple[str, list[str]]]:
 
 def test_transcripts_name_only_options_that_exist(capsys):
     commands = _transcript_commands()
-    assert len(commands) >= 5
+    assert commands, "no transcript found: the scan is broken"
     parser = cli.build_parser()
     for where, argv in commands:
         try:
@@ -174,17 +248,97 @@ def test_transcripts_name_only_options_that_exist(capsys):
                         f"{capsys.readouterr().err}")
 
 
-def test_readme_quotes_what_the_shell_would_mangle_and_shows_what_errors_name():
+def test_docs_quote_what_the_shell_would_mangle_and_show_what_errors_name():
     """``checkpoint{budget=0.5,profile=false}`` unquoted is brace-expanded by bash into two
     words: every pass spec with braces in a command must be quoted."""
-    text = (ROOT / "README.md").read_text()
-    for match in re.finditer(r"--passes[ =]([^\s`]+)", text):
-        value = match.group(1)
-        if "{" in value:
-            assert value[0] in "'\"", f"unquoted --passes {value}"
-    assert "../shared" not in text and "the issue" not in text
-    # errors suggest fxopt.trace(): the README shows it, in a block that runs
+    for page in PAGES:
+        text = page.read_text()
+        for match in re.finditer(r"--passes[ =]([^\s`]+)", text):
+            value = match.group(1)
+            if "{" in value:
+                assert value[0] in "'\"", f"{page.name}: unquoted --passes {value}"
+        assert "../shared" not in text and "the issue" not in text, page.name
+    # errors suggest fxopt.trace(): the docs show it, in a block that runs
     assert any("fxopt.trace(" in b.text for b in RUN if b.lang == "python")
+
+
+def test_the_readme_is_a_front_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines: move some to docs/"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+def _links(page: Path) -> list[tuple[str, str]]:
+    """``(target, anchor)`` of every relative Markdown link of ``page`` outside code blocks."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    found = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if not re.match(r"[a-z]+:", target):
+            path, _, anchor = target.partition("#")
+            found.append((path, anchor))
+    return found
+
+
+def test_links_resolve_to_files_and_headings_that_exist():
+    for page in PAGES:
+        for path, anchor in _links(page):
+            target = (page.parent / path).resolve() if path else page
+            assert target.exists(), f"{page.name}: link to {path}, which does not exist"
+            if anchor and target.suffix == ".md":
+                assert anchor in _anchors(target), f"{page.name}: no heading #{anchor} in {path}"
+
+
+def test_every_docs_page_is_two_clicks_from_the_readme():
+    reached, frontier = {ROOT / "README.md"}, [ROOT / "README.md"]
+    for _ in range(2):
+        frontier = [target for page in frontier for path, _ in _links(page)
+                    if path.endswith(".md") and (target := (page.parent / path).resolve())
+                    not in reached]
+        reached.update(frontier)
+    assert not set(PAGES) - reached, f"not reachable from README.md: {set(PAGES) - reached}"
+    linked = {(ROOT / path).resolve() for path, _ in _links(ROOT / "README.md")}
+    assert set(PAGES[1:]) <= linked, "every docs page is linked from the README itself"
+
+
+_REPO_PATH = re.compile(r"(?<![\w./-])((?:fxopt|passes|models_zoo|tests|benchmarks|docs|\.ci)/"
+                        r"[\w./-]*\w)(?:::(\w+))?")
+
+
+def _named_paths(text: str):
+    """``(path, test)`` of every repository path ``text`` names (globs such as ``*_cuda.txt``
+    and f-string templates left out)."""
+    for match in _REPO_PATH.finditer(text):
+        if not set(text[match.end():match.end() + 2]) & {"*", "{"}:
+            yield match.groups()
+
+
+def test_every_file_and_test_the_docs_and_docstrings_name_exists():
+    """Paths from the repository root (``fxopt/planning/pad_plan.py``) and the test functions
+    named after ``::`` (``tests/test_layers.py::test_layers_import_only_downwards``) exist. Pages
+    are read outside their code blocks (which name files the blocks write); the project's Python
+    files (tests aside) and pyproject.toml whole, so a docstring cannot point at a module that
+    moved."""
+    sources = {page: re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+               for page in PAGES}
+    for folder in ("fxopt", "passes", "models_zoo", "benchmarks"):
+        sources.update({path: path.read_text() for path in (ROOT / folder).rglob("*.py")})
+    sources[ROOT / "pyproject.toml"] = (ROOT / "pyproject.toml").read_text()
+    for source, text in sources.items():
+        for path, test in _named_paths(text):
+            where = source.relative_to(ROOT)
+            assert (ROOT / path).exists(), f"{where} names {path}, which does not exist"
+            if test:
+                assert f"def {test}(" in (ROOT / path).read_text(), (
+                    f"{where} names {path}::{test}, which does not exist")
 
 
 def test_measure_is_documented_and_has_a_readable_form():

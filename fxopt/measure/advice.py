@@ -44,20 +44,24 @@ from fxopt.core.tensors import storage_bytes
 from fxopt.core.torch_private import BatchNormBase, DropoutBase
 from fxopt.measure.peaks import format_bytes
 
-TIPS = {  # the seed document (/work/shared/seeds) and the tip in it
-    "large-linear": "PyTorch FAQ on out-of-memory (seed 003): \"Don't use linear layers that are "
-                    "too large. A linear layer nn.Linear(m, n) uses O(nm) memory\"",
-    "batchnorm-small-batch": "memory-saving tricks (seed 004), basic checklist: with a batch_size "
-                             "per GPU below 8, batch_norm makes training unstable unless you use "
-                             "sync_bn",
-    "not-multiple-of-8": "PyTorch tips and tricks (seed 001), tip 9: \"Set the sizes of all "
-                         "different architectural designs and batch sizes as the multiples of 8\"",
-    "train-mode-for-inference": "Tips, tricks and gotchas in PyTorch (seed 000), tip 5: \"Model "
-                                "eval mode and torch.no_grad()\"; Grokking PyTorch (seed 002): "
-                                "set networks to evaluation mode with .eval()",
-    "functional-dropout-always-on": "Tips, tricks and gotchas in PyTorch (seed 000), tip 5: "
-                                    "\"usually one wants to apply dropout only during "
-                                    "training\"",
+# The public write-up each lint comes from, as users read them. Developer note, never printed:
+# these are the tip collections under /work/shared/seeds -- large-linear 003,
+# batchnorm-small-batch 004, not-multiple-of-8 001, train-mode-for-inference 000 and 002,
+# functional-dropout-always-on 000.
+TIPS = {
+    "large-linear": "PyTorch FAQ, \"My model reports 'cuda runtime error(2): out of memory'\": "
+                    "\"Don't use linear layers that are too large. A linear layer nn.Linear(m, n) "
+                    "uses O(nm) memory\"",
+    "batchnorm-small-batch": "\"What memory-saving tricks does PyTorch have?\" (Zhihu), basic "
+                             "checklist: with a batch_size per GPU below 8, batch_norm makes "
+                             "training unstable unless you use sync_bn",
+    "not-multiple-of-8": "\"PyTorch tips and tricks\", tip 9: \"Set the sizes of all different "
+                         "architectural designs and batch sizes as the multiples of 8\"",
+    "train-mode-for-inference": "\"Tips, tricks and gotchas in PyTorch\", tip 5: \"Model eval mode "
+                                "and torch.no_grad()\"; \"Grokking PyTorch\": set networks to "
+                                "evaluation mode with .eval()",
+    "functional-dropout-always-on": "\"Tips, tricks and gotchas in PyTorch\", tip 5: \"usually "
+                                    "one wants to apply dropout only during training\"",
 }
 _WEIGHTED = (nn.Linear, nn.modules.conv._ConvNd)
 _FUNCTIONAL_DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
@@ -72,7 +76,7 @@ class Lint:
     where: str      # module path or node name
     message: str    # what is wrong, with figures
     hint: str       # what to do
-    tip: str        # the seed-document tip it comes from
+    tip: str        # the published tip it comes from (TIPS)
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)

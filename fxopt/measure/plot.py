@@ -1,9 +1,10 @@
 """Draw memory timelines (``fxopt.measure.timeline``) to a PNG with matplotlib, imported only here.
 
 matplotlib is the optional extra ``plot`` (``pip install 'fxopt[plot]'``); without it
-``plot_timelines`` raises ``ConfigError`` saying how to install it. The figure is drawn with
-matplotlib's object API on an Agg canvas, so no GUI backend is needed and the global pyplot
-state of a user's session is left alone.
+``plot_timelines`` raises ``ConfigError`` saying how to install it, and ``missing_matplotlib``
+says so beforehand (``fxopt report`` then prints its report without the plot). The figure is
+drawn with matplotlib's object API on an Agg canvas, so no GUI backend is needed and the global
+pyplot state of a user's session is left alone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ def _matplotlib():
         raise ConfigError(f"cannot draw the memory plot: matplotlib is not installed ({error})",
                           hint=INSTALL_HINT) from error
     return Figure, FigureCanvasAgg
+
+
+def missing_matplotlib() -> str | None:
+    """None when the plot can be drawn; else one line saying that matplotlib is missing and how to
+    get it."""
+    try:
+        _matplotlib()
+    except ConfigError:
+        return f"no plot: matplotlib is not installed; {INSTALL_HINT}"
+    return None
 
 
 def plot_timelines(timelines: Sequence[Timeline], path: str | Path, *, title: str = "") -> Path:
