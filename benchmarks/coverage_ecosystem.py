@@ -1,5 +1,10 @@
 """Ecosystem coverage: every ``models_zoo.ecosystem`` model through ``fxopt.optimize``.
 
+With them, the models of ``models_zoo/leaves.py`` whose data-dependent submodule fxopt keeps as
+an opaque leaf (``LEAF_MODELS``: a value-branching CNN, an index-dispatch MoE transformer given
+``leaf_modules=``, OLMoE with transformers' eager expert loop); their rows also say whether the
+predicted training peak equals the measured one.
+
     python benchmarks/coverage_ecosystem.py [--models a,b] [--library transformers] [--limit N]
                                             [--out FILE] [--json OUT] [--resume]
                                             [--budget min] [--timeout 300] [--jobs 2]
@@ -52,6 +57,14 @@ MIB = 1024 * 1024
 TRACEBACK_LINES = 15
 # Outcomes a model is built to show: the error class and a phrase its message must contain.
 EXPECTED = {"hf_gpt2_lm_use_cache": ("TraceError", "use_cache=False")}
+# Models with a data-dependent submodule fxopt keeps as an opaque leaf, measured on a real run
+# (models_zoo/leaves.py, issue 25): name -> (library, factory, leaf_modules). The factory gives
+# (model, positional inputs) or (model, keyword inputs).
+LEAF_MODELS = {
+    "leaves_branchy_cnn": ("torch", "branchy_cnn", ()),
+    "leaves_moe_transformer": ("torch", "moe_transformer", ("blocks.0.moe", "blocks.1.moe")),
+    "hf_olmoe_eager_experts": ("transformers", "olmoe_eager_experts", ()),
+}
 DISTRIBUTIONS = {"transformers": "transformers", "diffusers": "diffusers",
                  "smp": "segmentation-models-pytorch", "monai": "monai", "timm": "timm"}
 
@@ -92,7 +105,7 @@ def _measured(module: Any, args: tuple, kwargs: dict, prefix: str, row: dict[str
 
 
 def _optimize(model: Any, args: tuple, kwargs: dict, budget: str | None,
-              row: dict[str, Any], key: str) -> Any:
+              row: dict[str, Any], key: str, leaf_modules: tuple[str, ...] = ()) -> Any:
     """Run optimize; store ``{key: {...outcome}}`` in row; the module, or None on failure."""
     import fxopt
 
@@ -101,7 +114,8 @@ def _optimize(model: Any, args: tuple, kwargs: dict, budget: str | None,
     gm = None
     try:
         memory_budget = None if budget is None else _budget_value(budget)
-        gm = fxopt.optimize(model, args, example_kwargs=kwargs, memory_budget=memory_budget)
+        gm = fxopt.optimize(model, args, example_kwargs=kwargs, memory_budget=memory_budget,
+                            leaf_modules=leaf_modules)
     except fxopt.BudgetError as error:
         result = {"outcome": "budget-unreachable", "detail": str(error).splitlines()[0][:300]}
     except Exception as error:  # noqa: BLE001 -- every failure is a result here
@@ -112,7 +126,8 @@ def _optimize(model: Any, args: tuple, kwargs: dict, budget: str | None,
                   "not_used": dict(report.trace.not_used),
                   "leaves": [f"{leaf.path} ({leaf.module_type})" for leaf in report.trace.leaves],
                   "passes": {r.name: r.modified for r in report.passes},
-                  "rounding": len(report.verification.rounding)}
+                  "rounding": len(report.verification.rounding),
+                  "predicted_peak": getattr(report.predicted_after, "train_bytes", None)}
     result["seconds"] = round(time.perf_counter() - started, 2)
     row[key] = result
     return gm
@@ -128,12 +143,14 @@ def _budget_value(budget: str) -> int | float | str:
     return value if 0 < value <= 1 else int(value)
 
 
-def _capture_frontend(model: Any, args: tuple, kwargs: dict) -> str:
+def _capture_frontend(model: Any, args: tuple, kwargs: dict,
+                      leaf_modules: tuple[str, ...] = ()) -> str:
     """The frontend that captures ``model`` (for a model whose optimize failed after capture)."""
     from fxopt.capture.chain import capture
 
     try:
-        return _frontend(capture(model, args, example_kwargs=kwargs).meta["fxopt_trace"])
+        return _frontend(capture(model, args, example_kwargs=kwargs,
+                                 leaf_modules=leaf_modules).meta["fxopt_trace"])
     except Exception:  # noqa: BLE001 -- nothing captures it
         return "-"
 
@@ -147,32 +164,50 @@ def run_one(name: str, budget: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     _quiet_libraries()
     started = time.perf_counter()
-    row: dict[str, Any] = {"model": name, "library": ecosystem.library_of(name) or "?"}
+    row: dict[str, Any] = {"model": name, "library": _library_of(name) or "?"}
+    leaf_modules: tuple[str, ...] = LEAF_MODELS[name][2] if name in LEAF_MODELS else ()
     try:
-        entry = ecosystem.get(name)
-        model = entry.build()
-        args, kwargs = entry.inputs(entry.default_batch)
+        model, args, kwargs = _built(name)
     except Exception as error:  # noqa: BLE001 -- the library's or the catalogue's failure
         row.update(outcome="not built", detail=f"{type(error).__name__}: {error}"[:300],
                    traceback=_tail(error), seconds=round(time.perf_counter() - started, 1))
         return row
-    row["library"] = entry.library
+    if leaf_modules:
+        row["leaf_modules"] = list(leaf_modules)
     row["params"] = sum(p.numel() for p in model.parameters())
     _measured(model, args, kwargs, "before", row)
-    gm = _optimize(model, args, kwargs, None, row, "default")
+    gm = _optimize(model, args, kwargs, None, row, "default", leaf_modules)
     if gm is not None:
         _measured(gm, args, kwargs, "default", row)
         row["frontend"] = row["default"]["frontend"]
     elif row["default"]["outcome"] in ("TraceError", "InputError"):
         row["frontend"] = "-"
     else:
-        row["frontend"] = _capture_frontend(model, args, kwargs)
+        row["frontend"] = _capture_frontend(model, args, kwargs, leaf_modules)
     del gm
-    gm = _optimize(model, args, kwargs, budget, row, "budget")
+    gm = _optimize(model, args, kwargs, budget, row, "budget", leaf_modules)
     if gm is not None:
         _measured(gm, args, kwargs, "budget", row)
     row["seconds"] = round(time.perf_counter() - started, 1)
     return row
+
+
+def _library_of(name: str) -> str | None:
+    from models_zoo import ecosystem
+
+    return LEAF_MODELS[name][0] if name in LEAF_MODELS else ecosystem.library_of(name)
+
+
+def _built(name: str) -> tuple[Any, tuple, dict]:
+    """(model, positional inputs, keyword inputs) of an ecosystem or a leaf model."""
+    from models_zoo import ecosystem, leaves
+
+    if name in LEAF_MODELS:
+        model, inputs = getattr(leaves, LEAF_MODELS[name][1])()
+        return (model, (), inputs) if isinstance(inputs, dict) else (model, inputs, {})
+    entry = ecosystem.get(name)
+    args, kwargs = entry.inputs(entry.default_batch)
+    return entry.build(), args, kwargs
 
 
 def _quiet_libraries() -> None:
@@ -257,6 +292,15 @@ def format_row(row: dict[str, Any]) -> str:
             notes.append(f"{key}: {result['rounding']} float32 difference(s) shown to be "
                          "rounding (equal in float64, no less accurate)")
     notes += [f"leaf: {leaf}" for leaf in row.get("default", {}).get("leaves", [])]
+    notes += [f"leaf_modules: {', '.join(row['leaf_modules'])}"] if row.get("leaf_modules") else []
+    if row.get("leaf_modules") or row.get("default", {}).get("leaves"):
+        notes += [f"{key}: train peak predicted {_mib(row[key]['predicted_peak']).strip()} MiB, "
+                  f"measured {_mib(row.get(f'{key}_peak')).strip()} MiB"
+                  + (" (equal to the byte)" if row[key]["predicted_peak"] == row.get(f"{key}_peak")
+                     else f" ({row[key]['predicted_peak'] - row.get(f'{key}_peak', 0):+,} bytes)")
+                  for key in ("default", "budget")
+                  if row.get(key, {}).get("predicted_peak") is not None
+                  and row.get(f"{key}_peak") is not None]
     notes += [f"measure {e['what']}: {e['outcome']}: {e['detail']}"
               for e in row.get("measure_errors", [])]
     notes += [f"raw exception ({where}): {last}" for where, last in raw_exceptions(row)
@@ -271,7 +315,7 @@ def _arrow(before: Any, after: Any) -> str:
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
     """The results as a Markdown table (for docs/coverage.md), under the run's header."""
-    lines = ["```", header, "```", "",
+    lines = ["```text", header, "```", "",  # tests/test_readme.py: every block is tagged
              "| library | model | frontend | default pipeline | budget | activations at peak, "
              "MiB: before → budget | training peak, MiB: before → budget | optimize s |",
              "|---|---|---|---|---|---|---|---|"]
@@ -367,9 +411,12 @@ def main() -> None:
                    if what in names or what in {ecosystem.library_of(n) for n in names}]
         unavailable = {what for what, _ in skipped}
         names = [n for n in names if n not in unavailable
-                 and ecosystem.library_of(n) not in unavailable]
+                 and _library_of(n) not in unavailable]
     else:
-        names = ecosystem.names(args.library)
+        names = ecosystem.names(args.library) + [
+            n for n, (library, _, _) in LEAF_MODELS.items()
+            if args.library in (None, library) and (library == "torch"
+                                                    or ecosystem.installed(library))]
     if args.list:
         print("\n".join(names))
         print("\n".join(f"skipped {what}: {why}" for what, why in skipped), file=sys.stderr)

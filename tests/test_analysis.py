@@ -25,7 +25,7 @@ from fxopt.analysis import (
     max_batch_size,
     saved_for_backward,
 )
-from fxopt.capture.meta import placeholder_values
+from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError, InputError
 from fxopt.measure.peaks import measure_inference, measure_train_step
@@ -231,6 +231,18 @@ def test_saved_through_leaf_modules_and_table_fallback():
     assert gate.source == "autograd" and gate.values == ()
     assert gate.internal_bytes == 2 * 4 * 4  # sigmoid's output, inside the leaf: no graph value
     branch = saved[n["branch"]]
+    # `if x.sum() > 0` cannot run on fake tensors as it is: it replays its real run on the
+    # example inputs (fxopt.capture.leaf_tape), so autograd itself says what it saves
+    assert n["branch"].meta["fxopt_leaf"].replays
+    assert branch.source == "autograd"
+    # the gate's output (3 * sigmoid) is positive, so the tanh branch ran: it saves its output
+    assert names(branch.values) == ["branch"]
+
+
+def test_saved_table_fallback_for_a_leaf_with_no_real_run():
+    gm, n, _ = saved_of(WithLeaves(), torch.randn(2, 4), leaf_modules=("gate",))
+    del n["branch"].meta["fxopt_leaf"]  # as when the model could not be run for real
+    branch = saved_for_backward(gm, (torch.randn(2, 4),))[n["branch"]]
     assert branch.source == "table"  # `if x.sum() > 0` cannot run on fake tensors
     assert names(branch.values) == ["gate"]
 

@@ -13,8 +13,9 @@ flags are restored), and follows the inputs' ``requires_grad`` and the parameter
 training step would: a Linear whose input needs no grad does not keep its weight. Each call node gets ``node.meta["fxopt_saved"]``; the graph, the real
 parameters, buffers, ``.grad`` and the RNG are untouched.
 
-A node whose fake execution fails (an opaque leaf reading tensor values) falls back to a small
-hand table (``source="table"``): activations save their output, Linear/conv their input,
+An opaque leaf reading tensor values replays its real run on the example inputs
+(``fxopt.capture.leaf_tape``), so autograd is asked about it like any node. A node whose fake
+execution still fails (such a leaf with no recorded run) falls back to a small hand table (``source="table"``): activations save their output, Linear/conv their input,
 BatchNorm its input plus mean/invstd, dropout a mask, max-pool indices; anything else is assumed
 to save its tensor inputs. Its output is rebuilt from ``meta["val"]``.
 
@@ -34,6 +35,7 @@ from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
 
 from fxopt.capture.fake_run import FakeRun, fake_copy, on_fake_tensors, training_flags
+from fxopt.core import meta_keys
 from fxopt.core.errors import TraceError
 from fxopt.core.tensors import storage_bytes, storage_key, tensors_in
 from fxopt.core.torch_private import tree_map_only
@@ -180,6 +182,6 @@ def saved_for_backward(gm: fx.GraphModule, example_inputs: Any) -> dict[fx.Node,
         recorder = _Recorder(gm, run)
         recorder.run(*run.inputs)
     for node, info in recorder.infos.items():
-        node.meta["fxopt_saved"] = info
+        node.meta[meta_keys.SAVED] = info
     return recorder.infos
 

@@ -78,7 +78,9 @@ def before_after(model: nn.Module, optimized: nn.Module, example_inputs: Any, *,
     """Measured and predicted peaks of ``model`` and ``optimized``, and their step times."""
     inputs = as_args(example_inputs)
     original, variant = alternated_step_times([model, optimized], inputs, repeats)
-    before, measured = figures_of(model, inputs, original.median)
+    report = getattr(optimized, "fxopt_report", None)  # the captured module's own prediction
+    before, measured = figures_of(model, inputs, original.median,
+                                  getattr(report, "predicted_before", None))
     after, _ = figures_of(optimized, inputs, variant.median)
     comparison = Comparison(before, after, measured.train.device, measured.train.method,
                             len(original.samples))

@@ -111,9 +111,11 @@ from fxopt.capture.export_signature import (
     bind_example,
     signature_placeholders,
 )
+from fxopt.capture.export_leaves import exported_keeping_leaves
 from fxopt.capture.fake_run import module_state, training_flags
+from fxopt.capture.leaf_runs import record_leaf_runs
 from fxopt.capture.recipes import Unsupported, build, emit, extract, flatten, leaf_paths
-from fxopt.capture.trace import TraceInfo, graph_module_like
+from fxopt.capture.trace import LeafFallback, TraceInfo, graph_module_like
 from fxopt.capture.trace_checks import (
     UserCheckpoint,
     propagate_meta_explained,
@@ -121,6 +123,7 @@ from fxopt.capture.trace_checks import (
     user_frame,
 )
 from fxopt.capture.train_eval import eval_module_on, install_eval_graph, same_graph
+from fxopt.core import meta_keys
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy
 from fxopt.core.state import preserved_state
@@ -279,10 +282,14 @@ def _trace_error(model: nn.Module, error: BaseException, mode: str) -> TraceErro
     first = text.splitlines()[0] if text else ""
     name = type(error).__name__
     if "data" in name.lower() or "data-dependent" in text or "DataDependent" in text:
-        hint = ("forward branches on tensor values; rewrite it with torch.where / torch.cond, or, "
-                "when the branch is in a submodule's forward, capture with capture='fx', which "
-                "keeps that submodule as an opaque leaf (a branch in the root's own forward "
-                "stops both frontends)")
+        # Not "use capture='fx'": a submodule export fails in is kept opaque here already
+        # (fxopt.capture.export_leaves), and fx may not trace the root (issue 25: circular hints)
+        hint = ("forward reads tensor values (data-dependent control flow or shapes) where no "
+                "submodule can be kept opaque around it: move that code into a submodule's "
+                "forward (fxopt keeps such a submodule as an opaque leaf, under capture='fx' "
+                "and capture='export' alike, run for real on the example inputs), name the "
+                "submodule in leaf_modules=('path',) if it is one, or rewrite the code with "
+                "torch.where / torch.cond")
     else:
         hint = ("use fxopt.trace(model, inputs) (symbolic tracing, with opaque-leaf fallback), or "
                 "run torch.export.draft_export(model, args, kwargs) to list every problem")
@@ -317,7 +324,7 @@ def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: st
                 state.append((env[node].target, val.dtype, val.device.type))
                 read.append(env[node])
     guard = InputGuard(model_name, tuple((p.name, p.recipe) for p in placeholders),
-                       tuple(constraints.specs), constraints.ranges, error=InputError,
+                       tuple(constraints.specs), constraints.ranges,
                        checks=tuple(constraints.checks), state=tuple(state))
     guard_name = next((n for n, v in attributes.items()
                        if isinstance(v, InputGuard) and v == guard), None)
@@ -403,7 +410,7 @@ def _output(graph: fx.Graph, exported: _Exported, node: fx.Node, env: dict,
 
 def _strip_wrapper(node: fx.Node) -> None:
     """Module paths in ``nn_module_stack`` as the user's model names them (no wrapper, no root)."""
-    stack = node.meta.get("nn_module_stack")
+    stack = node.meta.get(meta_keys.NN_MODULE_STACK)
     if not stack:
         return
     kept = {}
@@ -411,7 +418,7 @@ def _strip_wrapper(node: fx.Node) -> None:
         if path == _INNER or not path.startswith(_INNER + "."):
             continue
         kept[key] = (path.removeprefix(_INNER + "."), kind)
-    node.meta["nn_module_stack"] = kept
+    node.meta[meta_keys.NN_MODULE_STACK] = kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,11 +438,14 @@ def _refuse_hooks(model: nn.Module) -> None:
                      "which keeps hooked modules as calls")
 
 
-def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None
-                        ) -> fx.GraphModule:
+def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None,
+                        *, leaf_modules: tuple[str, ...] = (),
+                        opaque_on_failure: bool = True) -> fx.GraphModule:
     """Capture ``model`` called as ``model(*args, **kwargs)`` with ``torch.export`` (non-strict,
     training IR) as a GraphModule owning the model's Parameters and buffers; see the module
-    docstring for what the result promises and what is not handled.
+    docstring for what the result promises and what is not handled. ``leaf_modules`` (and,
+    with ``opaque_on_failure``, any submodule export fails in on data-dependent code) are kept
+    as opaque module calls (``fxopt.capture.export_leaves``).
 
     Raises ``InputError`` for inputs forward cannot take, ``TraceError`` when export fails.
     """
@@ -457,11 +467,16 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
 
     shell = structural_copy(model)
     with preserved_state(model, shell):
-        exports, constraints, export_info = _export_modes(model, shell, call, example, leaf_names)
+        (exports, constraints, export_info), opaque, found = exported_keeping_leaves(
+            shell, tuple(leaf_modules), lambda: _run_for_real(shell, call, example),
+            lambda: _export_modes(model, shell, call, example, leaf_names),
+            find_more=opaque_on_failure)
         placeholders = signature_placeholders(name, signature, given)
         attributes: dict[str, Any] = {}
         graphs = [_unlift(e, placeholders, name, attributes, shell, c)
                   for e, c in zip(exports, constraints)]
+        for graph in graphs if opaque is not None else ():
+            opaque.restore_calls(graph)
     for attr, value in attributes.items():
         object.__setattr__(shell, attr, value)
     for graph in graphs:
@@ -470,17 +485,24 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     for attr, value in attributes.items():
         if attr not in vars(gm):
             object.__setattr__(gm, attr, value)
-    info = TraceInfo(frontend="export")
+    info = TraceInfo(frontend="export", leaves=[
+        LeafFallback(path, type(shell.get_submodule(path)).__name__, why) for path, why in found])
     if not same_graph(graphs[0], graphs[1], gm):
         install_eval_graph(gm, graphs[1])
         info.mode_dependent = True
+    if info.mode_dependent:  # first: the leaves' records (one per module) go on both graphs
+        _propagate(model, eval_module_on(gm), placeholders, arguments, record=False)
     _propagate(model, gm, placeholders, arguments)
-    if info.mode_dependent:
-        _propagate(model, eval_module_on(gm), placeholders, arguments)
     info.seconds = time.perf_counter() - start
-    gm.meta["fxopt_trace"] = info
-    gm.meta["fxopt_export"] = export_info
+    gm.meta[meta_keys.TRACE] = info
+    gm.meta[meta_keys.EXPORT] = export_info
     return gm
+
+
+def _run_for_real(shell: nn.Module, call: _Call, example: tuple) -> None:
+    """The example call of ``shell``, for real, in train mode, without grad."""
+    with training_flags(shell, True), torch.no_grad():
+        _Flat(shell, call, _Recorder())(*example)
 
 
 def _export_modes(model: nn.Module, shell: nn.Module, call: _Call, example: tuple,
@@ -584,8 +606,10 @@ def _batch_of_one(shell: nn.Module, call: _Call, example: tuple, exports: list[_
 
 
 def _propagate(model: nn.Module, gm: fx.GraphModule, placeholders: list[Placeholder],
-               arguments: dict[str, Any]) -> None:
+               arguments: dict[str, Any], *, record: bool = True) -> None:
     values = tuple(arguments[p.name] if p.name in arguments else p.default for p in placeholders)
     # export itself ran the model on these inputs: a failure here is fxopt's
     propagate_meta_explained(model, gm, values, model_runs=True,
                              hint="capture it with capture='fx', or report this model to fxopt")
+    if record:  # opaque leaves: run for real on the example inputs, replayed on fakes
+        record_leaf_runs(gm, values)

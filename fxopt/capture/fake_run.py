@@ -13,6 +13,9 @@ saves for backward. Its size depends on oneDNN's internal layout, which no API e
 probed once per argument signature by running that one layer for real on zeros (cached; the
 only real compute in a fake run, and the probe's memory is the layer's own).
 
+Opaque leaves that cannot run on fakes replay what they did on a real run on the example inputs
+(``fxopt.capture.leaf_tape.leaves_replayed``), so a fake run sees what they allocate and save.
+
 Example inputs may be real tensors or fake tensors of another mode (e.g. ``placeholder_values``
 of a traced graph); the latter are rebuilt as fresh fakes with the same layout. Tensors that are
 plain attributes (tracer constants) are converted on first use.
@@ -28,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxopt.capture.leaf_tape import leaves_replayed, unrecorded_leaves_stood_in
 from fxopt.core.state import preserved_rng
 from fxopt.core.step import as_args
-from fxopt.core.tensors import storage_bytes, storage_key, tensors_in
+from fxopt.core.tensors import storage_bytes, storage_key
 from fxopt.core.torch_private import (
     MKLDNN_RNN_WORKSPACE_INDEX,
     FakeTensor,
@@ -39,9 +43,8 @@ from fxopt.core.torch_private import (
     disable_current_modes,
     rebuild_rnn_weights,
     reparametrize_module,
-    tree_flatten,
     tree_map_only,
-    tree_unflatten,
+    view_base,
 )
 
 
@@ -169,7 +172,8 @@ def on_fake_tensors(module: nn.Module, example_inputs: Any) -> Iterator[FakeRun]
             converted[id(t)] = _fresh_fake(t, mode)
     state = {name: convert(t) for name, t in real_state.items()}
     inputs = tree_map_only(torch.Tensor, convert, as_args(example_inputs))
-    with preserved_rng(), reparametrized(module, state), mode, RealSizedOutputs():
+    with preserved_rng(), reparametrized(module, state), mode, RealSizedOutputs(), \
+            leaves_replayed(module):
         yield FakeRun(mode, inputs, state)
 
 
@@ -188,7 +192,7 @@ def _owns_storage(t: torch.Tensor, shared: set[int]) -> bool:
     """Whether ``t`` is a plain dense tensor alone on exactly its own storage: then a fresh fake
     of its layout is all a fake run needs (``mode.from_tensor`` describes far more, slowly)."""
     return (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided
-            and not isinstance(t, FakeTensor) and t._base is None and t.storage_offset() == 0
+            and not isinstance(t, FakeTensor) and view_base(t) is None and t.storage_offset() == 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size()
             and t.is_contiguous() and storage_key(t) not in shared)
 
@@ -230,63 +234,24 @@ class RealSizedOutputs(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is torch.ops.aten.mkldnn_rnn_layer.default and out[3].numel() == 0 and (
-                out[3].device.type == "cpu"):
+        index = MKLDNN_RNN_WORKSPACE_INDEX
+        if func is torch.ops.aten.mkldnn_rnn_layer.default and out[index].numel() == 0 and (
+                out[index].device.type == "cpu"):
             workspace = torch.empty(_mkldnn_rnn_workspace_bytes(func, args, kwargs),
-                                    dtype=torch.uint8, device=out[3].device)
-            out = (*out[:3], workspace)
+                                    dtype=torch.uint8, device=out[index].device)
+            out = (*out[:index], workspace, *out[index + 1:])
         return out
-
-
-class _OpaqueLeaf(torch.autograd.Function):
-    """Allocates a leaf's outputs (shaped like its meta) and, in backward, its inputs' grads."""
-
-    @staticmethod
-    def forward(ctx: Any, templates: list[torch.Tensor], *inputs: torch.Tensor) -> tuple:
-        ctx.specs = [(t.shape, t.dtype, t.device) for t in inputs]
-        return tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                     for t in templates)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        return (None, *(torch.zeros(shape, dtype=dtype, device=device)
-                        for shape, dtype, device in ctx.specs))
-
-
-def _stand_in_forward(module: nn.Module, meta_val: Any) -> Any:
-    leaves, spec = tree_flatten(meta_val)
-    templates = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        inputs = tensors_in((args, kwargs))
-        inputs += [p for p in module.parameters() if p.requires_grad]
-        differentiable = [t for t in inputs if t.requires_grad]
-        outs = iter(_OpaqueLeaf.apply(templates, *differentiable))
-        return tree_unflatten([next(outs) if isinstance(leaf, torch.Tensor) else leaf
-                               for leaf in leaves], spec)
-
-    return forward
 
 
 @contextlib.contextmanager
 def opaque_leaves_stood_in(gm: nn.Module) -> Iterator[list[str]]:
-    """Leaves that could only run for real (``meta["fxopt_meta_source"] == "real"``) get a
-    stand-in forward that allocates outputs like their ``meta["val"]`` and grads for their
-    inputs and parameters, so a fake run of ``gm`` goes through. Yields their paths.
+    """Leaves that could only run for real (``meta["fxopt_meta_source"] == "real"``) and have no
+    record of a real run on the example inputs (``fxopt.capture.leaf_runs``) get a stand-in
+    forward that allocates outputs like their ``meta["val"]`` and grads for their inputs and
+    parameters, so a fake run of ``gm`` goes through. Yields their paths.
 
-    What such a leaf saves or allocates inside is unknown and not counted.
+    What such a leaf saves or allocates inside is unknown and not counted. (Recorded leaves
+    replay their real run inside ``on_fake_tensors`` itself.)
     """
-    graph = getattr(gm, "graph", None)
-    nodes = [n for n in graph.nodes if n.op == "call_module"
-             and n.meta.get("fxopt_meta_source") == "real"] if graph is not None else []
-    patched = []
-    try:
-        for node in nodes:
-            module = gm.get_submodule(node.target)
-            if "forward" not in module.__dict__:
-                module.forward = _stand_in_forward(module, node.meta["val"])
-                patched.append(module)
-        yield [n.target for n in nodes]
-    finally:
-        for module in patched:
-            del module.forward
+    with unrecorded_leaves_stood_in(gm) as paths:
+        yield paths

@@ -21,16 +21,15 @@ import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-from unittest import mock
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from torch import fx, nn
 
 from fxopt.capture.meta import propagate_meta
 from fxopt.core.errors import FxoptError, InputError, TraceError
+from fxopt.core.modules import own_tensors
 from fxopt.core.state import preserved_state
+from fxopt.core.torch_private import checkpoint_calls_refused
 
 # The top-level packages whose frames are fxopt's machinery. ``models_zoo`` (also installed by
 # fxopt) is not among them: its forwards are model code, whose lines a user wants named.
@@ -104,19 +103,14 @@ def user_checkpoints_refused() -> Iterator[None]:
     Tracing through a user's checkpoint would inline its function and silently drop the
     recomputation the user asked for; refusing it makes the calling module an opaque leaf,
     which keeps the checkpoint exactly as written. Both variants are caught where
-    ``checkpoint()`` dispatches (the reentrant autograd Function, the non-reentrant generator);
-    on a torch without those names the checkpoint is traced through as before.
+    ``checkpoint()`` dispatches (``fxopt.core.torch_private.checkpoint_calls_refused``), in the
+    tracing thread only: another thread checkpointing meanwhile is left alone. On a torch
+    without those entry points the checkpoint is traced through as before.
     """
-    def refuse(*args: Any, **kwargs: Any) -> Any:
+    def refuse() -> None:
         raise UserCheckpoint("calls torch.utils.checkpoint, which fxopt keeps as written")
 
-    with contextlib.ExitStack() as stack:
-        if hasattr(torch_checkpoint, "_checkpoint_without_reentrant_generator_impl"):
-            stack.enter_context(mock.patch.object(
-                torch_checkpoint, "_checkpoint_without_reentrant_generator_impl", refuse))
-        if hasattr(torch_checkpoint, "CheckpointFunction"):
-            stack.enter_context(mock.patch.object(
-                torch_checkpoint.CheckpointFunction, "apply", refuse))
+    with checkpoint_calls_refused(refuse):
         yield
 
 
@@ -150,9 +144,11 @@ def check_state_kept(model: nn.Module, shell: nn.Module) -> None:
     shell_modules = dict(shell.named_modules(remove_duplicate=False))
     for path, module in model.named_modules(remove_duplicate=False):
         copy_ = shell_modules.get(path)
-        for kind, table in (("parameter", "_parameters"), ("buffer", "_buffers")):
-            for name, tensor in getattr(module, table).items():
-                if copy_ is None or getattr(copy_, table).get(name) is not tensor:
+        copied = own_tensors(copy_) if copy_ is not None else ({}, {})
+        for kind, table, copied_table in zip(("parameter", "buffer"), own_tensors(module),
+                                             copied):
+            for name, tensor in table.items():
+                if copy_ is None or copied_table.get(name) is not tensor:
                     qualified = f"{path}.{name}" if path else name
                     raise TraceError(
                         f"{type(model).__name__}'s forward assigns a new tensor to {kind} "

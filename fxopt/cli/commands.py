@@ -72,6 +72,22 @@ def _int_range(text: str) -> tuple[int, int]:
     return _argument_type(parse_int_range)(text)
 
 
+def _module_paths(text: str) -> tuple[str, ...]:
+    paths = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not paths or not all(p.replace(".", "").replace("_", "").isalnum() for p in paths):
+        raise argparse.ArgumentTypeError(f"expected module paths like blocks.0.moe,blocks.1.moe, "
+                                         f"got {text!r}")
+    return paths
+
+
+def _leaf_modules(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--leaf-modules", type=_module_paths, default=(), metavar="PATHS",
+                        help="submodules to keep as opaque calls, comma-separated module paths "
+                             "(blocks.0.moe,blocks.1.moe): fxopt.optimize's leaf_modules=. A "
+                             "leaf that reads tensor values is run for real on the example "
+                             "inputs, and predicted, planned and checkpointed from that run")
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
@@ -180,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt = command("optimize", "rewrite a model, verify it, print before/after memory and time, "
                               "and export it (--out) as a folder that loads with plain torch")
     _common(opt)
+    _leaf_modules(opt)
     opt.add_argument("--out", help="write the exported module, its weights and report.json here")
     opt.add_argument("--no-verify", action="store_true", help="skip the equivalence check")
     opt.add_argument("--repeats", type=_positive, default=5,
@@ -190,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "memory.png (memory over a training step, before and after "
                             "optimization); writes no model")
     _common(rep)
+    _leaf_modules(rep)
     rep.add_argument("--for-inference", action="store_true",
                      help="the model is meant for inference: flag layers left in train mode")
     rep.add_argument("--plot", default="memory.png", help="where to draw (default memory.png)")
@@ -201,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk = command("check", "the CI equivalence gate: optimize, then verify outputs, gradients "
                            "and buffers on several random inputs (and batch sizes)")
     _common(chk)
+    _leaf_modules(chk)
     chk.add_argument("--seeds", type=_ints, default=[0, 1], help="e.g. 0,1,2 (default 0,1)")
     chk.add_argument("--batch-sizes", type=_ints, default=None, help="e.g. 1,4")
     chk.add_argument("--json", action="store_true",
@@ -228,9 +247,11 @@ def _load(args: argparse.Namespace, target: str | None = None) -> tuple[Any, tup
                                 dtype=args.dtype, weights=args.weights, inputs_file=args.inputs,
                                 input_specs=args.input_specs, int_range=args.int_range,
                                 device=args.device)
+    args.fused_optimizer = None  # what each command hands to optimize and the estimates
     if getattr(args, "fuse_optimizer", None) is not None:
-        from fxopt.verify.fused_training import fuse_optimizer
-        fuse_optimizer(model, args.fuse_optimizer, lr=1e-3)  # the plan does not depend on lr
+        from fxopt.runtime.fuse import fuse_optimizer
+        # the plan does not depend on lr
+        args.fused_optimizer = fuse_optimizer(model, args.fuse_optimizer, lr=1e-3)
     return model, inputs
 
 
@@ -266,7 +287,8 @@ def _optimize(args: argparse.Namespace) -> int:
     steps = 3 if args.out else 2
     progress(0, steps, "optimizing")
     gm = optimize(model, inputs, passes=args.passes, memory_budget=_budget(args.memory_budget),
-                  verify=not args.no_verify, capture=args.capture)
+                  verify=not args.no_verify, capture=args.capture,
+                  fused_optimizer=args.fused_optimizer, leaf_modules=args.leaf_modules)
     progress(1, steps, "measuring")
     comparison = before_after(model, gm, inputs, repeats=args.repeats)
     if args.out:
@@ -297,16 +319,18 @@ def _report(args: argparse.Namespace) -> int:
     from fxopt.capture.chain import capture
     from fxopt.measure.advice import run_lints
     from fxopt.measure.breakdown import memory_breakdown
-    from fxopt.measure.plot import plot_timelines
+    from fxopt.measure.plot import missing_matplotlib, plot_timelines
     from fxopt.measure.timeline import training_timeline
 
     model, inputs = _load(args)
+    no_plot = None if args.no_plot else missing_matplotlib()  # only the plot needs matplotlib
+    draw = not (args.no_plot or no_plot)
     progress = _progress("fxopt report")
-    steps = 2 if args.no_plot else 4
+    steps = 4 if draw else 2
     progress(0, steps, "capturing")
-    traced = capture(model, inputs, capture=args.capture)
+    traced = capture(model, inputs, capture=args.capture, leaf_modules=args.leaf_modules)
     progress(1, steps, "measuring")
-    breakdown = memory_breakdown(model, inputs, gm=traced)
+    breakdown = memory_breakdown(model, inputs, gm=traced, fused_optimizer=args.fused_optimizer)
     lints = run_lints(traced, inputs, for_inference=args.for_inference)
     if not args.json:
         progress.close()
@@ -315,10 +339,15 @@ def _report(args: argparse.Namespace) -> int:
         for lint in lints:
             print("  " + str(lint).replace("\n", "\n  "))
     timelines = []
-    if not args.no_plot:
+    if no_plot:
+        progress.close()
+        print(no_plot, file=sys.stderr if args.json else sys.stdout)
+    if draw:
         progress(2, steps, "optimizing")
         optimized = optimize(model, inputs, passes=args.passes,
-                             memory_budget=_budget(args.memory_budget), capture=args.capture)
+                             memory_budget=_budget(args.memory_budget), capture=args.capture,
+                             fused_optimizer=args.fused_optimizer,
+                             leaf_modules=args.leaf_modules)
         progress(3, steps, "timelines")
         timelines = [training_timeline(model, inputs, label="before"),
                      training_timeline(optimized, inputs, label="after fxopt")]
@@ -344,7 +373,8 @@ def _check(args: argparse.Namespace) -> int:
     result, _ = check_equivalence(model, inputs, passes=args.passes,
                                   memory_budget=_budget(args.memory_budget), seeds=args.seeds,
                                   batch_sizes=args.batch_sizes, capture=args.capture,
-                                  progress=progress)
+                                  progress=progress, fused_optimizer=args.fused_optimizer,
+                                  leaf_modules=args.leaf_modules)
     result.target = args.target
     print(json.dumps(result.as_dict(), indent=2) if args.json else result)
     return 0 if result.ok else 1
@@ -371,6 +401,7 @@ def _bench(args: argparse.Namespace) -> int:
         model, inputs = _load(args, target)
         rows = bench(model, inputs, passes=args.passes, memory_budget=budget, peers=peers,
                      repeats=args.repeats, capture=args.capture,
+                     fused_optimizer=args.fused_optimizer,
                      progress=lambda done, total, label, base=index * per_job: progress(
                          base + done, len(jobs) * per_job, f"{target} {label}"))
         results.append({"target": target, "memory_budget": budget,
@@ -396,6 +427,8 @@ def _print_error(args: argparse.Namespace, error: Exception, code: int) -> None:
     for bar in _BARS:
         bar.close()
     print(f"fxopt: {error}", file=sys.stderr)
+    for note in getattr(error, "__notes__", ()):  # torch's own log, with FXOPT_VERBOSE=1
+        print(note, file=sys.stderr)
     if args.command == "check" and getattr(args, "json", False):
         print(json.dumps({"schema": SCHEMA, "ok": False, "target": args.target, "runs": [],
                           "error": {"type": type(error).__name__,

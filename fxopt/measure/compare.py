@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from fxopt.analysis import estimate_peak
+from fxopt.core.errors import InputError
 from fxopt.measure.peaks import format_bytes, measure
 
 
@@ -59,10 +60,20 @@ def percent_change(before: float, after: float) -> str:
     return f"{(after / before - 1) * 100:+.1f}%" if before else "n/a"
 
 
-def figures_of(module: nn.Module, inputs: tuple, seconds: float) -> tuple[Figures, Any]:
-    """``module``'s measured and predicted peaks with ``seconds`` per step, and the measurement."""
+def figures_of(module: nn.Module, inputs: tuple, seconds: float,
+               predicted_instead: Any = None) -> tuple[Figures, Any]:
+    """``module``'s measured and predicted peaks with ``seconds`` per step, and the measurement.
+
+    ``predicted_instead``: a ``PeakEstimate`` to use when ``module`` itself cannot run on fake
+    tensors (a model with a data-dependent submodule: its captured module, where that submodule
+    replays a real run, was predicted instead)."""
     measured = measure(module, inputs)
-    predicted = estimate_peak(module, inputs)
+    try:
+        predicted = estimate_peak(module, inputs)
+    except InputError:
+        if predicted_instead is None:
+            raise
+        predicted = predicted_instead
     return Figures(measured.train.peak_bytes, predicted.train_bytes,
                    measured.inference.peak_bytes, predicted.inference_bytes, seconds), measured
 

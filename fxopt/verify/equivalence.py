@@ -90,12 +90,13 @@ class VerifyReport:
     def __str__(self) -> str:
         counts = ", ".join(f"{n} {kind}" for kind, n in self.checked.items())
         if self.ok and self.rounding:
-            worst = max(m.max_rel_diff for m in self.rounding)
+            finite = [m.max_rel_diff for m in self.rounding if math.isfinite(m.max_rel_diff)]
+            worst = f" (up to {max(finite):.2g} relative)" if finite else " (at zeros)"
             how = (f"no less accurate than the original against its float64 run ({ORIGINAL_ONLY})"
                    if any(ORIGINAL_ONLY in m.detail for m in self.rounding)
                    else "equal in float64, and no less accurate than the original")
-            return (f"equivalent: {counts} compared; {len(self.rounding)} float32 difference(s) "
-                    f"(up to {worst:.2g} relative) are rounding: {how}")
+            return (f"equivalent: {counts} compared; {len(self.rounding)} float32 difference(s)"
+                    f"{worst} are rounding: {how}")
         if self.ok:
             return f"equivalent: {counts} compared, all within tolerance"
         lines = [f"NOT equivalent: {len(self.mismatches)} mismatch(es) ({counts} compared)",

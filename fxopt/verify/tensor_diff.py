@@ -73,9 +73,12 @@ SCALE_ULPS = 64
 
 @dataclass(frozen=True)
 class Mismatch:
-    """One tensor (or name) that differs. ``max_abs_diff``/``max_rel_diff`` are over elements
-    finite on both sides (relative: over nonzero reference elements); they are ``inf`` when the
-    difference is not a number (NaN, inf, shape, dtype, device, None, missing name): see ``detail``.
+    """One tensor (or name) that differs. ``max_abs_diff`` is over elements finite on both
+    sides; ``max_rel_diff`` is the worst relative change ``|candidate - reference| / |reference|``
+    among the elements outside tolerance (``inf`` when one of them was 0 in the reference: a 0
+    that became 3.57 is no small relative change, whatever the other elements do). Both are
+    ``inf`` when the difference is not a number (NaN, inf, shape, dtype, device, None, missing
+    name): see ``detail``.
     """
 
     kind: str  # "output" | "input_grad" | "param_grad" | "buffer" | "eval_output" | "structure"
@@ -228,13 +231,12 @@ def _compare_tensors(kind: str, name: str, ref: torch.Tensor, cand: torch.Tensor
     finite = ~infinite
     diff = torch.where(finite, (a - b).abs(), 0.0)
     magnitude = b.abs()
-    nonzero = finite & (magnitude > 0)
     max_abs = float(diff.max())
-    max_rel = float(torch.where(nonzero, diff / torch.where(nonzero, magnitude, 1.0), 0.0).max())
     if exact:
         outside = ref.reshape(-1) != cand.reshape(-1)
         if not outside.any():
             return None
+        max_rel = _worst_relative(diff, magnitude, outside)
         i = _first(outside)
         return mismatch(f"{int(outside.sum())} of {b.numel()} elements differ (exact match "
                         f"required for {ref.dtype}); first at index {_position(i, shape)}: "
@@ -245,11 +247,20 @@ def _compare_tensors(kind: str, name: str, ref: torch.Tensor, cand: torch.Tensor
     outside = excess > 0
     if not outside.any():
         return None
+    max_rel = _worst_relative(diff, magnitude, outside)
     i = int(excess.argmax())
     return mismatch(f"{int(outside.sum())} of {b.numel()} elements outside tolerance; worst at "
                     f"index {_position(i, shape)}: reference {_fmt(b[i])} vs candidate "
                     f"{_fmt(a[i])}",
                     max_abs, max_rel, rtol, atol)
+
+
+def _worst_relative(diff: torch.Tensor, magnitude: torch.Tensor, outside: torch.Tensor) -> float:
+    """The largest ``diff / magnitude`` among the ``outside`` elements; ``inf`` when one of them
+    has a reference of 0 (any change of a 0 is an unbounded relative change)."""
+    if bool((outside & (magnitude == 0)).any()):
+        return math.inf
+    return float(torch.where(outside, diff / torch.where(outside, magnitude, 1.0), 0.0).max())
 
 
 def _scaled_atol(dtype: torch.dtype, atol: float, kind_scale: float,
