@@ -228,7 +228,7 @@ def run_model(name: str, args, out: TeeOutput, failures: list[str]) -> list[Row]
         seconds = time.perf_counter() - started
         stats = next((r.stats for r in gm.fxopt_report.passes if r.name == "checkpoint"), {})
         regions = stats.get("regions", [])
-        selective = sum(1 for r in regions if r["mode"] == "selective")
+        selective = sum(1 for r in regions if r.mode == "selective")
         note = (f"{len(regions)} regions ({selective} selective), predicted "
                 f"{stats.get('predicted_after', 0) / MiB:.1f} MiB, optimize {seconds:.0f} s")
         gm_step = step_peak_bytes(gm, inputs)

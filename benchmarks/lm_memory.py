@@ -1,6 +1,7 @@
 """Language models: the loss off the peak. Whole training-step peak and step time, per arm.
 
-    python benchmarks/lm_memory.py [--models llama,gpt2,qwen2] [--vocab N] [--hidden 256]
+    python benchmarks/lm_memory.py [--models llama,llama:128256,gpt2,qwen2] [--vocab N]
+        [--hidden 256]
         [--layers 4] [--seq 512] [--batch 2] [--threads 1] [--repeats 5] [--inner 1]
         [--arms original,hf_gc,min,min_chunked,min_chunked_loss,min_chunked_loss_fused]
         [--out FILE]
@@ -10,6 +11,8 @@ called as Hugging Face models are, ``model(input_ids=ids, labels=ids)`` (the los
 forward, the logits are returned too). ``llama``: ``LlamaForCausalLM`` (intermediate size
 4 x hidden, 4 heads, 4 key/value heads; vocab 32,000 by default); ``gpt2``: ``GPT2LMHeadModel``
 (tied input/output embeddings; vocab 50,257); ``qwen2``: ``Qwen2ForCausalLM`` (vocab 151,936).
+``name:N`` takes vocab N for that model (``llama:128256``: Llama 3's vocabulary); the default runs
+the four configurations of issue 24, Llama at 32,000 and 128,256, GPT-2 and Qwen2.
 ``--vocab`` overrides the vocabulary of every model.
 
 Arms, each on its own model built from the same seed:
@@ -56,7 +59,7 @@ from fxopt.api import optimize
 from fxopt.bench.environment import TeeOutput, code_commit, device_name
 from fxopt.core.tensors import storage_bytes, tensors_in
 from fxopt.measure.peaks import measure_train_step
-from fxopt.verify.fused_training import fuse_optimizer
+from fxopt.runtime.fuse import fuse_optimizer
 
 MiB = 2**20
 SEED = 0
@@ -65,11 +68,19 @@ ARMS = ("original", "hf_gc", "min", "min_chunked", "min_chunked_loss", "min_chun
 ADAMW = {"lr": 1e-4, "weight_decay": 1e-2}
 
 
-def build(name: str, args: argparse.Namespace) -> nn.Module:
+def model_spec(spec: str, args: argparse.Namespace) -> tuple[str, int]:
+    """``"llama:128256"`` -> ("llama", 128256); without ``:N``, ``--vocab`` or the model's own."""
+    name, _, vocab = spec.partition(":")
+    if name not in VOCABS:
+        raise SystemExit(f"unknown model {name!r}: choose from {', '.join(VOCABS)}")
+    return name, int(vocab) if vocab else (args.vocab or VOCABS[name])
+
+
+def build(spec: str, args: argparse.Namespace) -> nn.Module:
     import transformers
 
     torch.manual_seed(SEED)
-    vocab = args.vocab or VOCABS[name]
+    name, vocab = model_spec(spec, args)
     if name == "llama":
         config = transformers.LlamaConfig(
             num_hidden_layers=args.layers, hidden_size=args.hidden,
@@ -149,7 +160,7 @@ def make_arm(name: str, model_name: str, args: argparse.Namespace, kw: dict) -> 
     planning = fuse_optimizer(model, torch.optim.AdamW, **ADAMW) if fused else None
     try:
         gm = optimize(model, (), example_kwargs=kw, memory_budget="min",
-                      passes=pipeline(outputs))
+                      passes=pipeline(outputs), fused_optimizer=planning)
     finally:
         if planning is not None:
             planning.remove()
@@ -184,7 +195,7 @@ def time_arms(arms: list[Arm], kw: dict, repeats: int, inner: int) -> dict[str, 
 
 
 def run_model(model_name: str, args: argparse.Namespace, out: TeeOutput) -> None:
-    vocab = args.vocab or VOCABS[model_name]
+    vocab = model_spec(model_name, args)[1]
     gen = torch.Generator().manual_seed(SEED)
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
     kw = {"input_ids": ids, "labels": ids}
@@ -215,7 +226,7 @@ def run_model(model_name: str, args: argparse.Namespace, out: TeeOutput) -> None
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="llama")
+    parser.add_argument("--models", default="llama,llama:128256,gpt2,qwen2")
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)

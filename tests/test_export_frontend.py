@@ -414,9 +414,8 @@ def test_checkpoint_and_inplace_passes_on_the_captured_graph():
     result = inplace_activations(gm)
     assert verify(model, result.graph_module, (idx,)).ok
 
-    # plan from the cost model: fast, stable. (0.85: with symbolic lengths the least memory the
-    # solver finds is 0.80 or 0.82 of the activations depending on PYTHONHASHSEED.)
-    result = checkpoint(gm, budget=0.85, profile=False)
+    # plan from the cost model: fast, and the same in every process (tests/test_plan_determinism)
+    result = checkpoint(gm, budget=0.8, profile=False)
     assert result.modified and result.stats["regions_count"] >= 1
     assert result.stats["predicted_after"] <= result.stats["budget_bytes"]
     report = verify(model, result.graph_module, (idx,))
@@ -495,7 +494,7 @@ def test_the_guard_is_a_runtime_object_that_pickles(gpt):
     _, idx, gm = gpt
     guard = gm._fxopt_input_guard  # the train graph's (the eval graph has one of its own)
     assert isinstance(guard, InputGuard)
-    assert type(guard).__module__ == "fxopt.runtime.input_guard" and guard.error is InputError
+    assert type(guard).__module__ == "fxopt.runtime.input_guard"
     copy = pickle.loads(pickle.dumps(guard))
     assert copy == guard and hash(copy) == hash(guard)
     with pytest.raises(InputError, match=r"idx.shape\[1\] in \[2, inf\]"):

@@ -11,39 +11,85 @@ import torch
 from torch import fx
 
 from fxopt.analysis import alias_classes, saved_for_backward
+from fxopt.analysis.blocks import node_blocks
 from fxopt.analysis.costmodel import node_costs
 from fxopt.analysis.writes import overwritten_inputs
-from fxopt.capture.meta import placeholder_values
+from fxopt.core.graphs import placeholder_values
 from fxopt.core.tensors import allocated_bytes, tensor_bytes
 from fxopt.planning.solver import CheckpointProblem, NodeInfo
-from fxopt.runtime.fused_step import fused_parameters
+from fxopt.runtime.fused_step import FusedOptimizers, fused_parameters
 from fxopt.runtime.input_guard import guard_inputs
 from fxopt.runtime.regions import call_region
 
 _CALL_OPS = ("call_function", "call_method", "call_module")
 
 
-def representatives(gm: fx.GraphModule) -> dict[fx.Node, fx.Node | None]:
-    """node -> the first node of its alias class; None for classes rooted at inputs or params."""
+def alias_roots(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """node -> the first node of its alias class (a placeholder or get_attr for values that are
+    graph inputs, parameters or buffers, or views of them)."""
     classes = alias_classes(gm)
     first: dict[int, fx.Node] = {}
     for node in gm.graph.nodes:
         if node in classes:
             first.setdefault(classes[node], node)
-    rep: dict[fx.Node, fx.Node | None] = {}
-    for node in gm.graph.nodes:
-        root = first.get(classes[node], node) if node in classes else node
-        rep[node] = None if root.op in ("placeholder", "get_attr") else root
-    return rep
+    return {node: first.get(classes[node], node) if node in classes else node
+            for node in gm.graph.nodes}
 
 
-def _first_use_grad_bytes(gm: fx.GraphModule, forward: list[fx.Node]) -> dict[fx.Node, int]:
+def representatives(gm: fx.GraphModule, roots: dict[fx.Node, fx.Node] | None = None
+                    ) -> dict[fx.Node, fx.Node | None]:
+    """node -> the first node of its alias class; None for classes rooted at inputs or params."""
+    roots = alias_roots(gm) if roots is None else roots
+    return {node: None if root.op in ("placeholder", "get_attr") else root
+            for node, root in roots.items()}
+
+
+def writes_state(gm: fx.GraphModule, written: list[fx.Node], roots: dict[fx.Node, fx.Node]
+                 ) -> bool:
+    """Whether a node that overwrites ``written`` in place (``fxopt.analysis.writes``) writes
+    what the forward does not make: a graph input or a parameter (recomputing the node in a
+    region would write it a second time), or a buffer whose value the graph reads
+    (recomputation runs on a copy of the buffer as it is after the forward,
+    ``fxopt.runtime.regions``, so it would compute from a value already written, not the one
+    the forward read). A buffer only written -- BatchNorm's running statistics and its counter
+    -- is safe: the copy takes the second write. Such a node must not be recomputed."""
+    for value in written:
+        root = roots.get(value, value)
+        if root.op == "placeholder":
+            return True
+        if root.op != "get_attr":
+            continue
+        if _is_parameter(gm, root.target) or _state_is_read(gm, root, roots):
+            return True
+    return False
+
+
+def _state_is_read(gm: fx.GraphModule, root: fx.Node, roots: dict[fx.Node, fx.Node]) -> bool:
+    """Whether any node but the input guard uses the buffer ``root`` (or a view or in-place
+    result of it) otherwise than by overwriting it."""
+    members = [n for n, r in roots.items() if r is root]
+    return any(user.target is not guard_inputs and member not in overwritten_inputs(gm, user)
+               for member in members for user in member.users)
+
+
+def _first_use_grad_bytes(gm: fx.GraphModule, forward: list[fx.Node],
+                          fused_optimizer: FusedOptimizers,
+                          released: frozenset[str] = frozenset()) -> dict[fx.Node, int]:
     """Bytes of trainable parameter gradients, charged to the first node that uses each; none
-    for a parameter whose optimizer step is fused into backward (its gradient is freed at the
-    step, it does not pile up with the others)."""
-    seen: set[int] = {id(p) for p in fused_parameters(gm)}  # parameter ids
+    for a parameter whose optimizer step ``fused_optimizer`` fuses into backward (its gradient
+    is freed at the step, it does not pile up with the others), nor for those named in
+    ``released`` (a sharded block's, reduce-scattered when the block's backward is done).
+
+    The input guard reads every parameter only to check its dtype and device: no gradient flows
+    through it. Charged there (the first node), every gradient would count as alive wherever
+    backward is, and the solver could no longer tell plans apart by where in backward they peak."""
+    seen: set[int] = {id(p) for p in fused_parameters(gm, fused_optimizer)}  # parameter ids
+    seen.update(id(p) for name, p in gm.named_parameters(remove_duplicate=False)
+                if name in released)
     charged: dict[fx.Node, int] = {}
     for node in forward:
+        if node.target is guard_inputs:
+            continue
         params = []
         if node.op == "call_module":
             params = list(gm.get_submodule(node.target).parameters())
@@ -95,6 +141,24 @@ def _grad_live_bytes(forward: list[fx.Node], rep: dict[fx.Node, fx.Node | None],
     return live
 
 
+def _loss_gradient_bytes(node: fx.Node, info) -> int:
+    """Bytes of gradient a loss's backward builds for its own internal saved tensors: a
+    cross-entropy keeps its log-softmax (batch x sequence x vocab) and returns a scalar, and its
+    backward holds that tensor's gradient while it computes the logits'. Without it the plan
+    that keeps the most at the end of forward looks no worse than one that keeps little, where
+    the loss's backward is the step's peak (a Llama at vocab 1,200 lost to Hugging Face's
+    checkpointing by it). Counted for a node with a scalar output only: the internal tensors of
+    other nodes are at most a few times their output, and their gradients mostly the graph
+    values' (``_grad_live_bytes``); counting them as well (attention with dropout on the math
+    path: 35 times its output) made the solver's least-memory plans worse, not better."""
+    if info is None or not info.internal_bytes:
+        return 0
+    val = node.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and val.requires_grad and val.numel() == 1):
+        return 0
+    return info.internal_bytes
+
+
 def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
     try:
         gm.get_parameter(target)
@@ -103,33 +167,22 @@ def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
     return True
 
 
-def repeated_block(gm: fx.GraphModule, node: fx.Node) -> str | None:
-    """The outermost numbered module with submodules of its own that ``node`` runs in
-    (``model.layers.3``, ``layer1.0``): a ModuleList's or Sequential's item that is a block, not
-    a single layer (``features.3``, a conv, gives no block: its conv starts an atom anyway).
-    Read off the module stack both frontends record."""
-    for path, _kind in (node.meta.get("nn_module_stack") or {}).values():
-        parts = str(path).split(".")
-        for end, part in enumerate(parts):
-            if not part.isdigit():
-                continue
-            prefix = ".".join(parts[:end + 1])
-            try:
-                module = gm.get_submodule(prefix)
-            except AttributeError:
-                return None
-            if next(module.children(), None) is not None:
-                return prefix
-    return None
-
-
-def build_problem(gm: fx.GraphModule, *, profile: bool = True
+def build_problem(gm: fx.GraphModule, *, profile: bool = True,
+                  fused_optimizer: FusedOptimizers = None, regions_across_blocks: bool = False,
+                  released_gradients: frozenset[str] = frozenset()
                   ) -> tuple[CheckpointProblem, list[fx.Node]]:
     """The solver's view of ``gm``, and the forward nodes in the order the problem lists them.
 
-    ``profile=False`` costs nodes by the roofline alone (``fxopt.analysis.costmodel.node_costs``).
+    ``profile=False`` costs nodes by the roofline alone, at fixed rates
+    (``fxopt.analysis.costmodel.node_costs``): the problem, and every plan made from it, is the
+    same in every process.
+    ``fused_optimizer``: the user's fused optimizer step (``fxopt.fuse_optimizer``), if any.
+    ``regions_across_blocks``: let regions span repeated blocks (which then cannot stay calls).
+    ``released_gradients``: parameters whose gradients leave as soon as they are accumulated
+    (``fxopt.analysis.blocks.block_parameter_names`` under per-block FSDP2).
     """
-    rep = representatives(gm)
+    roots = alias_roots(gm)
+    rep = representatives(gm, roots)
     saved = saved_for_backward(gm, placeholder_values(gm))
     costs = node_costs(gm, profile=profile)
     forward = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
@@ -143,13 +196,15 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True
         return frozenset(rep[n].name for n in nodes
                          if rep.get(n) is not None and rep[n].name in value_bytes)
 
-    blocks = [repeated_block(gm, node) for node in forward]
-    grads = _first_use_grad_bytes(gm, forward)
+    in_block = node_blocks(gm, gm.graph)
+    blocks = [in_block[node] for node in forward]
+    grads = _first_use_grad_bytes(gm, forward, fused_optimizer, released_gradients)
     grad_live = _grad_live_bytes(forward, rep, value_bytes)
     infos = []
     for i, node in enumerate(forward):
         info = saved.get(node)
-        mutated = next(iter(overwritten_inputs(gm, node)), None)
+        written = overwritten_inputs(gm, node)
+        mutated = next((w for w in written if rep.get(w) is not None), None)
         infos.append(NodeInfo(
             name=node.name,
             seconds=costs[node].seconds if node in costs else 0.0,
@@ -157,11 +212,14 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True
             internal_bytes=info.internal_bytes if info else 0,
             reads=names(node.all_input_nodes),
             heavy=costs[node].heavy if node in costs else False,
-            # A region is not checkpointed again; the input guard runs once, before any region.
-            recomputable=node.target not in (call_region, guard_inputs),
+            # A region is not checkpointed again; the input guard runs once, before any region;
+            # a write into an input, a parameter or a buffer read later must happen once.
+            recomputable=(node.target not in (call_region, guard_inputs)
+                          and not writes_state(gm, written, roots)),
             mutates=rep[mutated].name if mutated is not None and rep.get(mutated) else None,
             grad_bytes=grads.get(node, 0),
-            grad_live_bytes=grad_live[i],
+            grad_live_bytes=grad_live[i] + _loss_gradient_bytes(node, info),
             block=blocks[i],
         ))
-    return CheckpointProblem(infos, value_bytes), forward
+    return CheckpointProblem(infos, value_bytes,
+                             regions_across_blocks=regions_across_blocks), forward

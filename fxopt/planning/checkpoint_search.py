@@ -8,11 +8,16 @@ supplies as ``predict(plan) -> bytes`` (it applies the plan to a copy of the gra
 1. solves with the budget left after what the solver does not model (``overhead``); when the
    prediction overshoots, lowers the solver's budget by the overshoot and solves again, up to
    ``max_rounds`` times;
-2. if no round fits, finds the least-memory plan (bisecting the solver's budget) and, when that
-   fits, bisects between it and the last failing budget for the largest fitting budget: the plan
-   that recomputes least among those that fit;
+2. if no round fits, finds the least-memory plan (``least_memory_plan``: of several candidates,
+   the one with the least *predicted* peak) and, when that fits, bisects between it and the last
+   failing budget for the largest fitting budget: the plan that recomputes least among those
+   that fit;
 3. if even the least-memory plan does not fit, raises ``BudgetError`` with the smallest predicted
    peak, which a user can pass back as the budget.
+
+Every plan is predicted once (``Predictions``), and ties between equal predictions are broken by
+recompute time and then by the regions' places in the graph, never by the order of a set: the
+same problem gives the same plan in every process.
 
 Decision only: no graph is edited here.
 """
@@ -32,6 +37,35 @@ from fxopt.planning.solver import (
 Predict = Callable[[CheckpointPlan], int]
 Predicted = tuple[int, CheckpointPlan]
 
+LEAST_MEMORY_CANDIDATES = 4  # the solver's plans of least modelled memory that are predicted
+
+
+def plan_key(plan: CheckpointPlan) -> tuple[tuple[int, int, str], ...]:
+    """The plan's regions in graph order: equal keys, equal plans."""
+    return tuple((r.start, r.stop, r.mode) for r in plan.regions)
+
+
+def _rank(found: Predicted) -> tuple:
+    """Least predicted peak first; then less recompute, fewer regions, earlier in the graph."""
+    peak, plan = found
+    return peak, plan.extra_seconds, len(plan.regions), plan_key(plan)
+
+
+class Predictions:
+    """``predict`` with a memory: each distinct plan is predicted once (a prediction is a
+    fake-tensor run of the rewritten forward and backward), and every plan predicted so far is
+    a candidate for the least-memory plan."""
+
+    def __init__(self, predict: Predict):
+        self.predict = predict
+        self.seen: dict[tuple, Predicted] = {}
+
+    def __call__(self, plan: CheckpointPlan) -> int:
+        key = plan_key(plan)
+        if key not in self.seen:
+            self.seen[key] = (self.predict(plan), plan)
+        return self.seen[key][0]
+
 
 def search_plan(problem: CheckpointProblem, *, target: int, unoptimized_peak: int,
                 predict: Predict, max_region_atoms: int = 16, max_rounds: int = 6,
@@ -42,6 +76,7 @@ def search_plan(problem: CheckpointProblem, *, target: int, unoptimized_peak: in
     ``gradients``: parameter gradients alive at the unoptimized peak that a fused optimizer
     step would free (0 when there are none, or they are freed already); when they are a large
     part of the peak, a ``BudgetError`` suggests fusing."""
+    predict = predict if isinstance(predict, Predictions) else Predictions(predict)
     overhead = unoptimized_peak - problem.kept_without_checkpointing()
     solver_budget = target - overhead
     best: Predicted | None = None
@@ -81,7 +116,8 @@ def _fusing_hint(gradients: int, peak: int) -> str:
         return ""
     return (f"; {_mib(gradients)} of the unoptimized peak are parameter gradients, which "
             "checkpointing cannot free: fuse the optimizer step into backward "
-            "(fxopt.fuse_optimizer before optimize; on the command line --fuse-optimizer NAME) "
+            "(optimize(..., fused_optimizer=fxopt.fuse_optimizer(...)); on the command line "
+            "--fuse-optimizer NAME) "
             "and each is freed at its step")
 
 
@@ -91,32 +127,40 @@ def _mib(n: int) -> str:
 
 def least_memory_plan(problem: CheckpointProblem, predict: Predict,
                       max_region_atoms: int) -> Predicted | None:
-    """(predicted peak, plan) of the least-memory plan: the solver's (bisecting its budget) or,
-    when predicted lower, one full region per repeated block (``solver.block_plan``)."""
-    candidates = [found for found in (_solver_least_memory(problem, predict, max_region_atoms),
-                                      _predicted(block_plan(problem), predict))
-                  if found is not None]
-    return min(candidates, key=lambda found: (found[0], found[1].extra_seconds), default=None)
+    """(predicted peak, plan) of the plan with the least predicted peak among: the distinct
+    plans of least modelled memory the solver gives while its budget is bisected down to the
+    least it can meet (``LEAST_MEMORY_CANDIDATES`` of them), one full region per repeated block
+    (``solver.block_plan``), and every plan ``predict`` has predicted already (a
+    ``Predictions``: the re-solving rounds of ``search_plan``).
+
+    Several, because the solver's model is not the prediction: plans it counts as equal, or
+    within a few percent, differ in their predicted peaks (the GPT of
+    tests/test_export_frontend.py: 303,872 and 312,192 bytes), and the least modelled is not
+    always the least predicted."""
+    predictions = predict if isinstance(predict, Predictions) else Predictions(predict)
+    candidates = _solver_least_memory(problem, max_region_atoms)[:LEAST_MEMORY_CANDIDATES]
+    blocks = block_plan(problem)
+    for plan in candidates + ([blocks] if blocks is not None else []):
+        predictions(plan)
+    return min(predictions.seen.values(), key=_rank, default=None)
 
 
-def _predicted(plan: CheckpointPlan | None, predict: Predict) -> Predicted | None:
-    return None if plan is None else (predict(plan), plan)
-
-
-def _solver_least_memory(problem: CheckpointProblem, predict: Predict,
-                         max_region_atoms: int) -> Predicted | None:
+def _solver_least_memory(problem: CheckpointProblem, max_region_atoms: int
+                         ) -> list[CheckpointPlan]:
+    """The distinct plans met while bisecting the solver's budget down to the least it can
+    meet, least modelled memory first (ties: less recompute, then graph order)."""
     low, high = 0, problem.kept_without_checkpointing()
-    best_plan = None
+    met: dict[tuple, CheckpointPlan] = {}
     for _ in range(12):
         middle = (low + high) // 2
         plan = plan_checkpoints(problem, middle, max_region_atoms=max_region_atoms)
         if plan is None:
             low = middle + 1
         else:
-            best_plan, high = plan, middle
-    if best_plan is None:
-        return None
-    return predict(best_plan), best_plan
+            met.setdefault(plan_key(plan), plan)
+            high = middle
+    return sorted(met.values(), key=lambda plan: (plan.kept_bytes, plan.extra_seconds,
+                                                  len(plan.regions), plan_key(plan)))
 
 
 def _cheapest_fitting(problem: CheckpointProblem, predict: Predict, target: int,

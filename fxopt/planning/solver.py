@@ -23,8 +23,11 @@ discretised resource: ``best[state][m]`` is the least recompute time that reache
 having kept ``m`` bytes. The union is exact for values whose readers lie within a few atoms of
 their producer (the DP state remembers which of those *pending* values are already kept);
 long-lived values (DenseNet features, U-Net skips) are counted as kept from the moment they are
-produced, which can only overestimate memory. The pass then checks every plan against a
-fake-tensor run of the rewritten graph and tightens the budget if the model was optimistic.
+produced, which can only overestimate memory. Levels are only a key: each cell also holds the
+exact bytes its path keeps, which decide whether an arc fits, and they span what can be kept,
+not the budget (most of which can be parameter gradients), so rounding neither refuses a plan
+that fits nor accepts one that does not. The pass then checks every plan against a fake-tensor
+run of the rewritten graph and tightens the budget if the model was optimistic.
 
 Not handled: regions that are not contiguous in the current schedule.
 """
@@ -40,6 +43,7 @@ FULL, SELECTIVE, NORMAL = "full", "selective", "normal"
 REGION_OVERHEAD_SECONDS = 2e-5  # a checkpoint call's own cost; discourages needless tiny regions
 _SHORT_LIVED_ATOMS = 4
 _MAX_TRACKED_PENDING = 6
+_CHECKED_ENDS = 16  # DP end cells traced back and counted exactly, cheapest first
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class NodeInfo:
 class CheckpointProblem:
     nodes: list[NodeInfo]
     value_bytes: dict[str, int]  # computed values only; params and graph inputs cost nothing here
+    # True lets a region span repeated blocks: a flat module (blocks not kept as calls), for
+    # measuring what keeping them costs (benchmarks/block_structure.py)
+    regions_across_blocks: bool = False
 
     def kept_without_checkpointing(self) -> int:
         return modelled_bytes(self, CheckpointPlan())
@@ -102,13 +109,17 @@ class CheckpointPlan:
 
 
 def atom_starts(problem: CheckpointProblem) -> list[int]:
-    """Node indices where atoms begin: at node 0, at every heavy node, and at the first node of
-    every repeated block. Without the last, a region could only start at a heavy node: a
-    transformer layer opens with a norm before its first matmul, so every cut would keep both
-    the residual stream and its normed copy, where a cut at the layer's start keeps one."""
+    """Node indices where atoms begin: at node 0, at every heavy node, where a repeated block
+    begins or ends (a region lies in one block), and around every node that must not be
+    recomputed (an atom holding one could never be in a region: padded BatchNorm writes its
+    statistics back after every layer). Without the block starts, a region could only start at
+    a heavy node: a transformer layer opens with a norm before its first matmul, so every cut
+    would keep both the residual stream and its normed copy, where a cut at the layer's start
+    keeps one."""
     nodes = problem.nodes
     return [0] + [i for i, n in enumerate(nodes) if i and (
-        n.heavy or (n.block is not None and n.block != nodes[i - 1].block))]
+        n.heavy or n.block != nodes[i - 1].block
+        or not n.recomputable or not nodes[i - 1].recomputable)]
 
 
 def block_plan(problem: CheckpointProblem) -> CheckpointPlan | None:
@@ -125,16 +136,12 @@ def block_plan(problem: CheckpointProblem) -> CheckpointPlan | None:
             spans[-1] = (spans[-1][0], i + 1)
         else:
             spans.append((i, i + 1))
-    if spans:  # the first block takes in what precedes it (embeddings), as far as allowed
-        lo = spans[0][0]
-        while lo > 0 and _region_allowed(problem.nodes[lo - 1:spans[0][1]]):
-            lo -= 1
-        spans[0] = (lo, spans[0][1])
-    regions = []
+    regions, floor = [], problem.backward_floor()
     for lo, hi in spans:
-        if hi - lo < 2 or not _region_allowed(problem.nodes[lo:hi]):
+        if hi - lo < 2 or not _region_allowed(problem.nodes[lo:hi],
+                                              problem.regions_across_blocks):
             continue
-        arc = _arc(problem, lo, hi, FULL)
+        arc = _arc(problem, lo, hi, FULL, floor)
         freed = kept_by(problem, _arc(problem, lo, hi, NORMAL)) - kept_by(problem, arc)
         if freed > 0:
             regions.append(Region(lo, hi, FULL, arc.seconds, arc.working, freed))
@@ -154,9 +161,21 @@ class _Arc:
     working: int           # bytes rebuilt while this region is recomputed
     keeps: frozenset[str]  # values this arc keeps alive for backward
     internal: int          # internal saved bytes kept (normal arcs)
+    backward: int = 0      # regions: the most bytes alive on top of what is kept while backward
+    #                        runs through the region (its rebuilt tensors, the floor)
 
 
-def _arc(problem: CheckpointProblem, lo: int, hi: int, mode: str) -> _Arc:
+def _arc(problem: CheckpointProblem, lo: int, hi: int, mode: str,
+         floor: list[int] | None = None) -> _Arc:
+    """The arc over nodes [lo, hi) in ``mode``; ``floor``: ``problem.backward_floor()``, given
+    by callers that build many arcs (computed here otherwise).
+
+    A region's backward: its nodes are recomputed at once when backward reaches it, and each
+    rebuilt tensor is freed once backward has passed the first node that saved it, while the
+    floor (parameter gradients, activation gradients in flight) grows towards the region's
+    start. So the most it needs is the largest, over its nodes i, of the rebuilt tensors still
+    alive at i's backward plus ``floor[i]``, not the whole working set at the largest floor.
+    """
     nodes = problem.nodes[lo:hi]
     inside = {n.name for n in nodes}
     if mode == NORMAL:
@@ -170,7 +189,15 @@ def _arc(problem: CheckpointProblem, lo: int, hi: int, mode: str) -> _Arc:
     rebuilt = (set().union(*(n.saved for n in nodes)) & inside) - heavy
     working = sum(problem.value_bytes.get(v, 0) for v in rebuilt) + sum(
         n.internal_bytes for n in nodes)
-    return _Arc(lo, hi, mode, seconds, working, frozenset(keeps), 0)
+    if floor is None:
+        floor = problem.backward_floor()
+    alive, backward, pending = 0, 0, set(rebuilt)
+    for i, node in enumerate(nodes, start=lo):
+        first_saved = pending & node.saved
+        pending -= first_saved
+        alive += sum(problem.value_bytes.get(v, 0) for v in first_saved) + node.internal_bytes
+        backward = max(backward, alive + floor[i])
+    return _Arc(lo, hi, mode, seconds, working, frozenset(keeps), 0, backward)
 
 
 def kept_by(problem: CheckpointProblem, arc: _Arc) -> int:
@@ -178,9 +205,13 @@ def kept_by(problem: CheckpointProblem, arc: _Arc) -> int:
     return sum(problem.value_bytes[v] for v in arc.keeps) + arc.internal
 
 
-def _region_allowed(nodes: list[NodeInfo]) -> bool:
+def _region_allowed(nodes: list[NodeInfo], across_blocks: bool = False) -> bool:
+    """A region recomputes what it may, writes only what it makes, and lies in one repeated
+    block or outside all of them: blocks stay calls of their own (``fxopt.rewrite.blocks``),
+    the unit FSDP2 gathers and torch.compile compiles."""
     names = {n.name for n in nodes}
-    return all(n.recomputable and (n.mutates is None or n.mutates in names) for n in nodes)
+    return ((across_blocks or len({n.block for n in nodes}) <= 1)
+            and all(n.recomputable and (n.mutates is None or n.mutates in names) for n in nodes))
 
 
 def _selective_allowed(nodes: list[NodeInfo]) -> bool:
@@ -195,16 +226,17 @@ def _arcs(problem: CheckpointProblem, starts: list[int], max_region_atoms: int,
     """Arcs leaving each boundary: one normal atom, and region runs of up to max atoms."""
     bounds = starts + [len(problem.nodes)]
     leaving: list[list[_Arc]] = [[] for _ in bounds]
+    floor = problem.backward_floor()
     for a in range(len(starts)):
         leaving[a].append(_arc(problem, bounds[a], bounds[a + 1], NORMAL))
         for b in range(a + 1, min(a + max_region_atoms, len(starts)) + 1):
             nodes = problem.nodes[bounds[a]:bounds[b]]
-            if not _region_allowed(nodes):
+            if not _region_allowed(nodes, problem.regions_across_blocks):
                 break
             for mode in modes:
                 if mode == SELECTIVE and not _selective_allowed(nodes):
                     continue
-                leaving[a].append(_arc(problem, bounds[a], bounds[b], mode))
+                leaving[a].append(_arc(problem, bounds[a], bounds[b], mode, floor))
     return leaving
 
 
@@ -225,7 +257,7 @@ def plan_checkpoints(problem: CheckpointProblem, budget: int, *, max_region_atom
                      ) -> CheckpointPlan | None:
     """The least-recompute plan whose modelled memory fits ``budget`` bytes; None if none does.
 
-    Memory is discretised into ``buckets`` levels with round-to-nearest; a plan that the exact
+    Kept memory is discretised into ``buckets`` levels (``_solve``); a plan that the exact
     union count (``modelled_bytes``) finds over budget is re-solved with the excess removed.
     """
     started = time.perf_counter()
@@ -252,7 +284,11 @@ def _solve(problem: CheckpointProblem, budget: int, max_region_atoms: int, bucke
     produced, last = _lifetimes(problem, starts)
     long_lived = {v for v in problem.value_bytes if v in produced
                   and last.get(v, produced[v]) - produced[v] > _SHORT_LIVED_ATOMS}
-    unit = max(budget, 1) / buckets
+    # The levels span what can be kept, not the whole budget: most of a budget can be the
+    # backward floor (resnet152 at batch 1: 230 of 242 MB are parameter gradients), and levels
+    # of budget / buckets were then too coarse to tell apart the plans that fit from those that
+    # do not (a budget was refused while a lower one was met).
+    unit = max(min(budget, _kept_bound(problem)), 1) / buckets
     boundary_of = {pos: k for k, pos in enumerate(starts + [len(problem.nodes)])}
 
     def pending_at(k: int) -> frozenset[str]:
@@ -262,50 +298,68 @@ def _solve(problem: CheckpointProblem, budget: int, max_region_atoms: int, bucke
         return frozenset(live[:_MAX_TRACKED_PENDING])
 
     pending = [pending_at(k) for k in range(len(starts) + 1)]
-    search = _Search(problem, pending, boundary_of, long_lived, unit, buckets)
+    search = _Search(problem, pending, boundary_of, long_lived, unit, buckets, budget)
     search.open(0, frozenset()).cost[0] = 0.0
     for k, arcs in enumerate(leaving[:-1]):
         for state, table in list(search.tables[k].items()):
             reachable = np.nonzero(np.isfinite(table.cost))[0]
             for arc in arcs if reachable.size else ():
                 search.relax(arc, k, state, table, reachable)
-    choice = None
-    for state, table in search.tables[len(starts)].items():
-        m = int(np.argmin(table.cost))
-        if np.isfinite(table.cost[m]) and (choice is None or table.cost[m] < choice[0]):
-            choice = (table.cost[m], state, m)
-    if choice is None:
-        return None
-    regions = search.trace_back(len(starts), choice[1], choice[2])
-    plan = CheckpointPlan(regions=regions, extra_seconds=sum(r.extra_seconds for r in regions),
-                          solve_seconds=time.perf_counter() - started)
-    plan.kept_bytes = modelled_bytes(problem, plan)
+    # The cheapest ends first (ties: less memory, then the state met first): the first whose
+    # exact count fits is the plan. The DP's own count is exact or over (values it does not
+    # track are charged again), so the first fits unless a plan kept more than the levels span.
+    ends = sorted((float(table.cost[m]), int(m), order, state)
+                  for order, (state, table) in enumerate(search.tables[len(starts)].items())
+                  for m in np.nonzero(np.isfinite(table.cost))[0])
+    plan = None
+    for _cost, m, _order, state in ends[:_CHECKED_ENDS]:
+        regions = search.trace_back(len(starts), state, m)
+        candidate = CheckpointPlan(regions=regions,
+                                   extra_seconds=sum(r.extra_seconds for r in regions))
+        candidate.kept_bytes = modelled_bytes(problem, candidate)
+        if plan is None:
+            plan = candidate  # over budget: plan_checkpoints re-solves with the excess removed
+        if candidate.kept_bytes <= budget:
+            plan = candidate
+            break
+    if plan is not None:
+        plan.solve_seconds = time.perf_counter() - started
     return plan
+
+
+def _kept_bound(problem: CheckpointProblem) -> int:
+    """At least what any plan keeps: every value and every internal saved tensor."""
+    return sum(problem.value_bytes.values()) + sum(n.internal_bytes for n in problem.nodes)
 
 
 @dataclass
 class _Table:
-    """Least cost per memory bucket at one (boundary, state), with back-pointers."""
+    """Least cost per memory bucket at one (boundary, state), with back-pointers and the exact
+    bytes the path to each bucket keeps (the bucket is only its level: feasibility is decided on
+    the exact bytes, so rounding neither refuses a plan that fits nor accepts one that does not).
+    """
 
     cost: np.ndarray
     from_bucket: np.ndarray
     from_arc: np.ndarray
-    from_state: list
+    kept: np.ndarray
 
 
 class _Search:
-    def __init__(self, problem, pending, boundary_of, long_lived, unit, buckets):
+    def __init__(self, problem, pending, boundary_of, long_lived, unit, buckets, budget):
         self.problem, self.pending, self.boundary_of = problem, pending, boundary_of
-        self.long_lived, self.unit, self.buckets = long_lived, unit, buckets
+        self.long_lived, self.unit, self.buckets, self.budget = long_lived, unit, buckets, budget
         self.tables: list[dict[frozenset[str], _Table]] = [dict() for _ in pending]
         self.arcs: list[tuple[_Arc, int, frozenset[str]]] = []
         self.floor = problem.backward_floor()
 
     def open(self, k: int, state: frozenset[str]) -> _Table:
         if state not in self.tables[k]:
-            n = self.buckets + 1
-            self.tables[k][state] = _Table(np.full(n, np.inf), np.full(n, -1),
-                                           np.full(n, -1), [None] * 1)
+            # headroom above the top level: levels drift from the exact bytes by the rounding of
+            # each arc's charge, and a path that fits must not fall off the table
+            n = self.buckets + self.buckets // 4 + 1
+            self.tables[k][state] = _Table(np.full(n, np.inf), np.full(n, -1), np.full(n, -1),
+                                           np.zeros(n, dtype=np.int64))
         return self.tables[k][state]
 
     def relax(self, arc: _Arc, k: int, state: frozenset[str], table: _Table,
@@ -313,7 +367,8 @@ class _Search:
         """Extend every reachable memory level at (k, state) by ``arc``."""
         charge, need = self._charge(arc, state)
         step = int(round(charge / self.unit))
-        src = reachable[reachable <= self.buckets - int(round(need / self.unit))]
+        src = reachable[(table.kept[reachable] + need <= self.budget)
+                        & (reachable + step < table.cost.size)]
         if src.size == 0:
             return
         k2 = self.boundary_of[arc.hi]
@@ -327,13 +382,15 @@ class _Search:
         target.cost[dst[better]] = new_cost[better]
         target.from_bucket[dst[better]] = src[better]
         target.from_arc[dst[better]] = len(self.arcs) - 1
+        target.kept[dst[better]] = table.kept[src[better]] + charge
 
     def _charge(self, arc: _Arc, state: frozenset[str]) -> tuple[int, int]:
         """(bytes this arc adds to what is kept, the most it needs on top of what was kept).
 
         In backward, when a node is reached the plan-independent floor (parameter gradients,
-        activation gradients in flight) is alive too; a region also needs its rebuilt working set. Long-lived values are charged once, by the
-        arc that produces them.
+        activation gradients in flight) is alive too; a region also needs what it rebuilds
+        (``_arc``: ``backward``). Long-lived values are charged once, by the arc that produces
+        them.
         """
         values = self.problem.value_bytes
         if arc.mode != NORMAL:
@@ -341,7 +398,7 @@ class _Search:
                          if v not in state and v not in self.long_lived)
             charge += sum(values[n.name] for n in self.problem.nodes[arc.lo:arc.hi]
                           if n.name in self.long_lived)
-            return charge, charge + arc.working + max(self.floor[arc.lo:arc.hi], default=0)
+            return charge, charge + arc.backward
         seen, charge, need = set(state), 0, 0
         for i in range(arc.lo, arc.hi):
             node = self.problem.nodes[i]
@@ -373,8 +430,9 @@ class _Search:
 def modelled_bytes(problem: CheckpointProblem, plan: CheckpointPlan) -> int:
     """Peak kept bytes of ``plan`` under the solver's model, with the union computed exactly.
 
-    The maximum of: everything kept at the end of forward, and for each region the bytes kept by
-    the nodes before it (and by itself) plus its recompute working set.
+    The maximum of: everything kept at the end of forward, at each node run normally what is
+    kept up to it plus the backward floor there, and for each region the bytes kept by the nodes
+    before it (and by itself) plus what its backward needs (``_arc``: ``backward``).
     """
     regions = {r.start: r for r in plan.regions}
     floor = problem.backward_floor()
@@ -385,10 +443,10 @@ def modelled_bytes(problem: CheckpointProblem, plan: CheckpointPlan) -> int:
     while i < len(problem.nodes):
         if i in regions:
             region = regions[i]
-            arc = _arc(problem, region.start, region.stop, region.mode)
+            arc = _arc(problem, region.start, region.stop, region.mode, floor)
             kept |= arc.keeps
             now = sum(problem.value_bytes[v] for v in kept) + internal
-            peak = max(peak, now + arc.working + max(floor[region.start:region.stop]))
+            peak = max(peak, now + arc.backward)
             i = region.stop
         else:
             node = problem.nodes[i]
