@@ -11,6 +11,7 @@ import sys as _sys
 from fxopt.analysis import estimate_peak, max_batch_size
 from fxopt.api import optimize
 from fxopt.capture.trace import trace
+from fxopt.core.pretrained import pretrained_checkpoints
 from fxopt.core.errors import (
     BudgetError,
     ConfigError,
@@ -29,16 +30,14 @@ from fxopt.measure import (
     measure_train_step,
 )
 from fxopt.measure.report import Report
+from fxopt.rewrite.blocks import blocks
 from fxopt.rewrite.boxed import release_inputs
 from fxopt.rewrite.pass_base import PassResult
 from fxopt.rewrite.pipeline import Config
+from fxopt.runtime.fuse import fuse_optimizer
 from fxopt.runtime.fused_step import FusedOptimizer
 from fxopt.verify import VerifyReport, verify
-from fxopt.verify.fused_training import (
-    FusedTrainingReport,
-    fuse_optimizer,
-    verify_fused_training,
-)
+from fxopt.verify.fused_training import FusedTrainingReport, verify_fused_training
 
 # Modules saved with torch.save before the layered packages name these flat modules (their
 # pickles and generated code import e.g. fxopt.regions.call_region): keep them importable.
@@ -54,7 +53,8 @@ for _old, _new in _FLAT_LAYOUT_NAMES.items():
 __all__ = [
     "BudgetError", "Config", "ConfigError", "EquivalenceError", "ExportError", "FxoptError",
     "InputError", "MemoryFigure", "MemoryReport", "PassError", "PassResult", "Report",
-    "TraceError", "VerifyReport", "estimate_peak", "max_batch_size", "measure",
+    "TraceError", "VerifyReport", "blocks", "estimate_peak", "max_batch_size", "measure",
     "measure_inference", "measure_train_step", "optimize", "release_inputs", "trace", "verify",
 ]
+__all__ += ["pretrained_checkpoints"]
 __all__ += ["FusedOptimizer", "FusedTrainingReport", "fuse_optimizer", "verify_fused_training"]

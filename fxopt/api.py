@@ -15,15 +15,23 @@ from typing import Any
 from torch import fx, nn
 
 import passes as builtin_passes
+from fxopt.analysis.leaf_runs import measure_leaves
 from fxopt.capture.chain import capture as capture_model
 from fxopt.capture.chain import check_capture_option
+from fxopt.capture.meta import drop_autograd_history
 from fxopt.capture.train_eval import refuse_pickling
+from fxopt.core import meta_keys
+from fxopt.core.errors import EquivalenceError
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
+from fxopt.core.pretrained import keep_pretrained_interface
 from fxopt.core.state import preserved_state
 from fxopt.measure.peaks import measure
 from fxopt.measure.report import PhaseClock, Report, predicted_peaks
+from fxopt.rewrite.blocks import keep_blocks
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
 from fxopt.rewrite.registry import PassRegistry
+from fxopt.runtime.fused_step import FusedOptimizers, fused_optimizers
+from fxopt.verify.blame import capture_blamed
 from fxopt.verify.equivalence import verify as run_verify
 
 
@@ -41,6 +49,8 @@ def optimize(
     capture: str = "auto",
     example_kwargs: dict[str, Any] | None = None,
     predict_memory: bool = True,
+    fused_optimizer: FusedOptimizers = None,
+    shard_blocks: bool = False,
 ) -> fx.GraphModule:
     """Return an optimized, verified GraphModule computing the same function as ``model``.
 
@@ -57,6 +67,20 @@ def optimize(
     ``capture``: the capture frontend (``fxopt.capture.chain``): "auto" (symbolic tracing when it
     captures the whole model, else torch.export, else tracing with opaque leaves), "fx" or
     "export". The report says which one captured the model and why the others did not.
+    ``leaf_modules``: submodule paths to keep as opaque calls, with either frontend. A leaf that
+    reads tensor values (``if x.mean() > 0``, ``torch.where`` dispatch) is run for real on the
+    example inputs and replays that run in every prediction, so peaks, plans and the report
+    count what it allocates and saves (``fxopt.capture.leaf_tape``); the report says so.
+    ``fused_optimizer``: the ``FusedOptimizer`` your training steps ``model``'s parameters with
+    (``fused = fxopt.fuse_optimizer(model, torch.optim.AdamW, lr=...)``; several in a tuple):
+    each gradient is freed at its step in backward, and the checkpoint plan and the predicted
+    peaks count that. Only the one given here counts: a fused optimizer alive elsewhere in the
+    process changes nothing.
+    ``shard_blocks``: plan for FSDP2 with ``fully_shard`` on each of ``fxopt.blocks(module)``
+    and then the root: a block's parameter gradients are reduce-scattered when its backward
+    ends instead of piling up to the end of backward, so the memory goes to activations (the
+    plan leans towards recomputing whole blocks). The predicted peaks of the report stay those
+    of one unsharded device.
 
     ``example_inputs`` are the *positional* arguments of ``model.forward``: one tensor, or a
     tuple (or list) with one entry per argument. An entry may itself be a tuple, list or dict of
@@ -77,7 +101,9 @@ def optimize(
     module flags and the RNG state.
     """
     registry = builtin_passes.REGISTRY if registry is None else registry
-    config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir)
+    fused_optimizers(fused_optimizer)  # refuse what is no FusedOptimizer before any work
+    config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir,
+                    fused_optimizer=fused_optimizer, shard_blocks=shard_blocks)
     config.resolved(registry)  # fail on a bad pass list before spending time on tracing
     check_capture_option(capture, leaf_modules)
     args = check_inputs(model, example_inputs, example_kwargs)
@@ -89,19 +115,32 @@ def optimize(
     with preserved_state(model):
         with clock("capture"):
             gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
-        report = Report(model=type(model).__name__, trace=gm.meta["fxopt_trace"],
+            measure_leaves(gm, args)  # opaque leaves' memory on a real run, for the report
+        report = Report(model=type(model).__name__, trace=gm.meta[meta_keys.TRACE],
                         seconds=clock.seconds)
         with clock("predict"):
-            report.predicted_before = predicted_peaks(gm) if predict_memory else None
+            report.predicted_before = (predicted_peaks(gm, fused_optimizer) if predict_memory
+                                       else None)
         with clock("passes"):
             report.passes = run_passes(gm, config, registry)
+            keep_blocks(gm)
         with clock("predict"):
-            report.predicted_after = predicted_peaks(gm) if predict_memory else None
+            report.predicted_after = (predicted_peaks(gm, fused_optimizer) if predict_memory
+                                      else None)
+    drop_autograd_history(gm)
     copy_training_flags(model, gm)
     refuse_pickling(gm)  # a pass may have rebuilt the module
+    keep_pretrained_interface(gm, model)  # what trainers read off a Hugging Face model
     if verify:
         with clock("verify"):
-            report.verification = run_verify(model, gm, args, strict=True)
+            try:
+                report.verification = run_verify(model, gm, args, strict=True)
+            except EquivalenceError as error:  # the passes' doing, or the capture's?
+                raise capture_blamed(
+                    error, frontend=report.trace.frontend, not_used=report.trace.not_used,
+                    passes_changed=[p.name for p in report.passes if p.modified], model=model,
+                    args=args, recapture=lambda: capture_model(
+                        model, args, capture=capture, leaf_modules=leaf_modules)) from error
     if measure_memory:
         with clock("measure"):
             report.memory_before = measure(model, args)

@@ -24,8 +24,20 @@ runs can settle on different near-equal plans. ``profile=False`` plans from the 
 roofline instead: no real compute, and the same plan on every run and every DDP rank, at the price
 of a cost model that can be far off on CPU (BatchNorm 8x, max-pool 40x in our measurements).
 
-Not handled: regions across opaque leaf modules that mutate their inputs, and graphs already
-containing checkpointed regions (left as they are: the pass is idempotent).
+Fused optimizer step: ``fused_optimizer`` (what ``fxopt.fuse_optimizer`` returned; given by
+``fxopt.optimize(..., fused_optimizer=...)``) frees each gradient at its step in backward, and
+the plan and every prediction count that; without it every gradient lives to the end of backward.
+
+Sharded blocks: ``shard_blocks=True`` (``fxopt.optimize(..., shard_blocks=True)``) plans for
+``fully_shard`` on each block, then the root: a block's parameter gradients leave (reduce-scattered)
+when its backward is done instead of piling up, which moves the best plan towards recomputing whole
+blocks (``fxopt.analysis.blocks.block_parameter_names``).
+
+An opaque leaf (``fxopt.capture.leaf_runs``) is recomputed like any call, with RNG replayed; one
+that writes its inputs in place only together with the node that made that input.
+
+Not handled: graphs already containing checkpointed regions (left as they are: the pass is
+idempotent).
 """
 
 from __future__ import annotations
@@ -33,26 +45,52 @@ from __future__ import annotations
 import operator
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from torch import fx
 
+from fxopt.analysis.blocks import block_parameter_names
 from fxopt.analysis.estimate import estimate_train_peak
-from fxopt.capture.meta import placeholder_values, refresh_meta
+from fxopt.capture.meta import refresh_meta
+from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import graph_module_like
+from fxopt.core.tensors import format_bytes
 from fxopt.core.torch_private import copy_codegen
 from fxopt.planning.budget import budget_bytes, is_min
 from fxopt.planning.checkpoint_problem import build_problem
 from fxopt.planning.checkpoint_search import least_memory_plan, search_plan
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
-from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.rewrite.pass_base import PassResult, StatsItem, mark_new
 from fxopt.rewrite.subgraph import extract_region, region_io
+from fxopt.runtime.fused_step import FusedOptimizers
 from fxopt.runtime.regions import CheckpointedRegion, call_region
 
 PASS_NAME = "checkpoint"
 
 
-def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan) -> list[dict]:
+@dataclass(frozen=True)
+class RegionStats(StatsItem):
+    """One checkpointed region, in the pass's ``stats["regions"]``."""
+
+    region: str               # the attribute of the module that holds it
+    first: str                # its first and last node
+    last: str
+    nodes: int
+    mode: str                 # full or selective
+    predicted_extra_ms: float  # recompute time in backward, predicted
+    kept_bytes_saved: int     # bytes no longer kept for backward
+    rebuilt_bytes: int        # bytes its recomputation rebuilds in backward
+
+    def line(self) -> str:
+        return (f"{self.region:<18} {self.mode:<9} {self.nodes:>3} nodes  {self.first} .. "
+                f"{self.last}: keeps {format_bytes(self.kept_bytes_saved)} less, rebuilds "
+                f"{format_bytes(self.rebuilt_bytes)} in backward, "
+                f"+{self.predicted_extra_ms:.2f} ms predicted")
+
+
+def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan
+               ) -> list[RegionStats]:
     """Rewrite each planned region of ``gm`` into a checkpointed call; returns one record each."""
     records = []
     existing = sum(1 for name in vars(gm) if name.startswith("_fxopt_region_"))
@@ -63,11 +101,9 @@ def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan)
         setattr(gm, name, CheckpointedRegion(body, selective=region.mode == SELECTIVE,
                                              targets=targets))
         _replace_with_call(gm, nodes, name, targets)
-        records.append({"region": name, "first": nodes[0].name, "last": nodes[-1].name,
-                        "nodes": len(nodes), "mode": region.mode,
-                        "predicted_extra_ms": round(region.extra_seconds * 1e3, 3),
-                        "kept_bytes_saved": region.freed_bytes,
-                        "rebuilt_bytes": region.recompute_bytes})
+        records.append(RegionStats(name, nodes[0].name, nodes[-1].name, len(nodes), region.mode,
+                                   round(region.extra_seconds * 1e3, 3), region.freed_bytes,
+                                   region.recompute_bytes))
     return records
 
 
@@ -105,7 +141,8 @@ def _already_checkpointed(gm: fx.GraphModule) -> bool:
     return any(n.target is call_region for n in gm.graph.nodes)
 
 
-def _predict(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan) -> int:
+def _predict(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan,
+             fused_optimizer: FusedOptimizers, released: frozenset[str]) -> int:
     """Predicted train peak of ``gm`` with ``plan`` applied (on a copy; ``gm`` is untouched)."""
     mapping: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
@@ -114,16 +151,26 @@ def _predict(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan) -
     candidate = graph_module_like(gm, graph)
     apply_plan(candidate, [mapping[n] for n in forward], plan)
     candidate.recompile()
-    return estimate_train_peak(candidate, placeholder_values(gm)).bytes
+    return estimate_train_peak(candidate, placeholder_values(gm), fused_optimizer=fused_optimizer,
+                               released_gradients=released).bytes
 
 
 def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
-               max_region_atoms: int = 16, profile: bool = True) -> PassResult:
-    """Recompute the cheapest regions in backward so the predicted train peak fits ``budget``."""
+               max_region_atoms: int = 16, profile: bool = True,
+               fused_optimizer: FusedOptimizers = None,
+               regions_across_blocks: bool = False, shard_blocks: bool = False) -> PassResult:
+    """Recompute the cheapest regions in backward so the predicted train peak fits ``budget``.
+
+    A region lies in one repeated block or outside all of them, so the blocks stay calls of
+    their own (``fxopt.rewrite.blocks``: per-block FSDP2 and torch.compile);
+    ``regions_across_blocks=True`` lifts that, for a module that is never sharded or compiled
+    per block (what it buys: ``benchmarks/block_structure.py``)."""
     if _already_checkpointed(gm):
         return PassResult(gm, False, {"reason": "graph already has checkpointed regions"})
     started = time.perf_counter()
-    estimate = estimate_train_peak(gm, placeholder_values(gm))
+    released = block_parameter_names(gm, gm.graph) if shard_blocks else frozenset()
+    estimate = estimate_train_peak(gm, placeholder_values(gm), fused_optimizer=fused_optimizer,
+                                   released_gradients=released)
     peak, activations = estimate.bytes, estimate.activation_bytes
     target = budget_bytes(budget, peak=peak, activations=activations)
     stats: dict[str, Any] = {"budget_bytes": target, "predicted_before": peak,
@@ -131,8 +178,11 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     if peak <= target:
         stats["predicted_after"] = peak
         return PassResult(gm, False, stats)
-    problem, forward = build_problem(gm, profile=profile)
-    predict = lambda candidate: _predict(gm, forward, candidate)  # noqa: E731
+    problem, forward = build_problem(gm, profile=profile, fused_optimizer=fused_optimizer,
+                                     regions_across_blocks=regions_across_blocks,
+                                     released_gradients=released)
+    predict = lambda candidate: _predict(gm, forward, candidate, fused_optimizer,  # noqa: E731
+                                         released)
     if is_min(budget):
         found = least_memory_plan(problem, predict, max_region_atoms)
         if found is None or found[0] >= peak:

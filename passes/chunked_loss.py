@@ -54,7 +54,8 @@ from torch import fx
 
 from fxopt.analysis.token_loss import TokenLoss, find_token_losses, is_assert, is_shape_read
 from fxopt.analysis.estimate import estimate_train_peak
-from fxopt.capture.meta import placeholder_values, refresh_meta
+from fxopt.capture.meta import refresh_meta
+from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import graph_module_like
 from fxopt.core.errors import ConfigError
 from fxopt.core.torch_private import copy_codegen

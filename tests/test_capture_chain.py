@@ -20,6 +20,7 @@ import fxopt.runtime.regions
 from fxopt.capture.chain import capture
 from fxopt.capture.trace import TraceInfo, trace
 from fxopt.core.errors import ConfigError, TraceError
+from fxopt.rewrite.blocks import inline_blocks
 
 VOCAB, WIDTH, HEADS, LENGTH = 53, 32, 4, 16
 
@@ -86,7 +87,9 @@ def test_auto_captures_the_gpt_with_export_and_checkpoints_it(gpt):
     gm = fxopt.optimize(model, (idx,), memory_budget=0.7)
     report = gm.fxopt_report
     assert report.trace.frontend == "export" and report.trace.leaves == []
-    assert not [n for n in gm.graph.nodes if n.op == "call_module"]
+    # export inlines every module; the root graph calls back only the blocks fxopt keeps
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == fxopt.blocks(gm)
+    assert fxopt.blocks(gm) == ["blocks.0", "blocks.1"]
     (why,) = report.trace.not_used
     assert why[0] == "fx" and why[1].startswith("kept 2 submodule(s) as opaque leaves: ")
     assert "blocks.0.attn (CausalSelfAttention)" in why[1]
@@ -180,8 +183,9 @@ def test_auto_does_not_export_frozen_submodules_or_leaf_modules_and_validates_th
     gm = capture(Gated(), (x,), leaf_modules=("inp",))
     assert gm.meta["fxopt_trace"].frontend == "fx"
     assert "leaf_modules" in gm.meta["fxopt_trace"].not_used[0][1]
-    with pytest.raises(ConfigError, match="leaf_modules"):
-        capture(Gated(), (x,), capture="export", leaf_modules=("inp",))
+    # torch.export keeps named leaves too (issue 25): as opaque calls of the modules themselves
+    exported = capture(Gated(), (x,), capture="export", leaf_modules=("inp", "gate"))
+    assert [n.target for n in exported.graph.find_nodes(op="call_module")] == ["inp", "gate"]
     with pytest.raises(ConfigError) as error:
         fxopt.optimize(Gated(), (x,), capture="bogus")
     assert "'bogus'" in error.value.what and "auto, fx, export" in error.value.hint
@@ -223,7 +227,9 @@ def test_auto_keeps_the_module_level_graph_of_a_fully_traceable_cnn():
     assert info.frontend == "fx" and info.leaves == []
     assert info.not_used == (("export", "symbolic tracing captured the whole model"),)
     expected = [(n.op, n.target) for n in trace(model, (x,)).graph.nodes]
-    assert [(n.op, n.target) for n in gm.graph.nodes] == expected
+    # the residual blocks are calls of their own; inlined, the graph is the trace's
+    assert fxopt.blocks(gm) == ["layer1.0", "layer1.1"]
+    assert [(n.op, n.target) for n in inline_blocks(gm).graph.nodes] == expected
     assert ("call_module", "layer1.0.conv1") in expected
     assert "captured by fx (symbolic tracing)" in str(gm.fxopt_report)
 
@@ -267,10 +273,12 @@ def test_an_export_captured_checkpointed_gpt_exports_as_a_folder_that_guards_its
     """fxopt.export writes the guard as code that raises without fxopt installed."""
     model, idx = gpt
     gm = fxopt.optimize(model, (idx,), memory_budget=0.7)
-    regions = [n for n in gm.graph.nodes if n.target is fxopt.runtime.regions.call_region]
-    assert regions, gm.code
-    guard = next(n for n in gm.graph.nodes if n.target is fxopt.runtime.input_guard.guard_inputs)
-    assert list(gm.graph.nodes).index(guard) < list(gm.graph.nodes).index(regions[0])
+    flat = inline_blocks(gm)  # the module the folder writes: the blocks' code inlined
+    regions = [n for n in flat.graph.nodes if n.target is fxopt.runtime.regions.call_region]
+    assert regions, flat.code
+    guard = next(n for n in flat.graph.nodes
+                 if n.target is fxopt.runtime.input_guard.guard_inputs)
+    assert list(flat.graph.nodes).index(guard) < list(flat.graph.nodes).index(regions[0])
 
     result = fxopt.export.export(gm, tmp_path / "folder", example_inputs=(idx,))
     assert result.verification.ok and result.needs == []

@@ -78,7 +78,8 @@ def pair(request):
         slim = fxopt.optimize(model, (), example_kwargs=inputs, capture=capture,
                               **PIPELINES[pipeline])
     if pipeline == "min":
-        assert any(type(v).__name__ == "CheckpointedRegion" for v in vars(slim).values())
+        assert any(type(v).__name__ == "CheckpointedRegion"
+                   for m in slim.modules() for v in vars(m).values())
     return model, slim, inputs
 
 

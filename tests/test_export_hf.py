@@ -216,13 +216,12 @@ def test_the_input_guard_is_rebuilt_from_its_constructor_fields(llama_exports):
     assert eval(source, {"torch": torch, **namespace}) == guard
 
     class Wider(InputGuard):
-        def __init__(self, model_name, params, tensors, ranges, *, error, checks=(), state=(),
+        def __init__(self, model_name, params, tensors, ranges, *, checks=(), state=(),
                      extra=(), later=None):
-            super().__init__(model_name, params, tensors, ranges, error=error, checks=checks,
-                             state=state)
+            super().__init__(model_name, params, tensors, ranges, checks=checks, state=state)
             self.extra = tuple(extra)
 
     wider = Wider(guard.model_name, guard.params, guard.tensors, guard.ranges,
-                  error=guard.error, extra=(1, 2))
+                  extra=(1, 2))
     arguments = _constructor_arguments(wider, repr, "guard")
     assert "extra=(1, 2)" in arguments and not [a for a in arguments if "later" in a]

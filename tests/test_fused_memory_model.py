@@ -9,6 +9,8 @@
 - ``max_batch_size`` sees it; the report shows the gradients at the peak and the optimizer state.
 - fxopt's own real runs (verify, measure, optimize) never step a fused optimizer: the user's
   parameters and optimizer state are as before.
+- The fused optimizer is an explicit input (``fused_optimizer=``): one alive in the process but
+  not named by the call changes neither an estimate nor a plan (issue 26).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def test_the_estimate_equals_a_real_fused_step(kwargs, fusing):
     fused = fusing(model, **kwargs)
     training_step(model, x)  # step 1 creates AdamW's moments: the tracked step is a later one
     fused.step()
-    estimate = estimate_peak(model, x)
+    estimate = estimate_peak(model, x, fused_optimizer=fused)
     tracker = LiveStorageTracker()
     with tracker:
         training_step(model, x)
@@ -66,8 +68,9 @@ def test_without_a_fused_optimizer_every_gradient_is_counted(fusing):
     plain = estimate_peak(model, x)
     assert plain.train_grad_bytes == sum(p.numel() * 4 for p in model.parameters())
     assert plain.fused_parameters == 0 and plain.train_optimizer_step_bytes == 0
-    fusing(model, fused=True)
-    assert estimate_peak(model, x).train_bytes < plain.train_bytes - 4 * 2**20
+    fused = fusing(model, fused=True)
+    assert estimate_peak(model, x, fused_optimizer=fused).train_bytes < (
+        plain.train_bytes - 4 * 2**20)
 
 
 @pytest.mark.parametrize("name", ["resnet18", "vgg11_bn"])
@@ -78,7 +81,7 @@ def test_a_budget_out_of_reach_with_every_gradient_alive_is_met_once_fused(name,
         fxopt.optimize(model, x, memory_budget=0.7, verify=False)
     fused = fusing(model)
     before = [p.detach().clone() for p in model.parameters()]
-    slim = fxopt.optimize(model, x, memory_budget=0.7)  # verified
+    slim = fxopt.optimize(model, x, memory_budget=0.7, fused_optimizer=fused)  # verified
     report = slim.fxopt_report
     assert report.predicted_after.train_bytes < report.predicted_before.train_bytes
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
@@ -90,7 +93,7 @@ def test_fxopts_own_runs_never_step_a_fused_optimizer(fusing):
     fused = fusing(model)
     before = [p.detach().clone() for p in model.parameters()]
     fxopt.measure(model, x)
-    slim = fxopt.optimize(model, x, measure_memory=True)
+    slim = fxopt.optimize(model, x, measure_memory=True, fused_optimizer=fused)
     fxopt.verify(model, slim, x)
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert not fused.optimizer.state and all(p.grad is None for p in model.parameters())
@@ -102,16 +105,17 @@ def test_max_batch_size_counts_gradients_freed_in_backward(fusing):
     model, x = seeded(WideMLP, 512), torch.randn(2, 512)
     budget = estimate_peak(model, torch.randn(64, 512)).train_bytes
     plain = max_batch_size(model, x, budget)
-    fusing(model, fused=True)
-    assert max_batch_size(model, x, budget) > plain
+    fused = fusing(model, fused=True)
+    assert max_batch_size(model, x, budget) == plain  # not told of it
+    assert max_batch_size(model, x, budget, fused_optimizer=fused) > plain
 
 
 def test_the_report_shows_gradients_at_the_peak_and_the_optimizer_state(fusing):
     model, x = seeded(WideMLP), torch.randn(2, 256)
     plain = str(fxopt.optimize(model, x, verify=False).fxopt_report)
     assert "gradients at it, predicted" in plain and "fused optimizer step:" not in plain
-    fusing(model)
-    text = str(fxopt.optimize(model, x, verify=False).fxopt_report)
+    fused = fusing(model)
+    text = str(fxopt.optimize(model, x, verify=False, fused_optimizer=fused).fxopt_report)
     assert "fused optimizer step: 12 parameters stepped in backward" in text
     assert "optimizer state 3.0 MiB" in text, text
 
@@ -150,7 +154,7 @@ def test_an_optimizer_the_fake_run_cannot_rebuild_still_frees_its_gradients():
     plain = estimate_peak(model, x)
     fused = fxopt.fuse_optimizer(model, lambda params: ScaledSGD(params, 0.5))
     try:
-        estimate = estimate_train_peak(model, x)
+        estimate = estimate_train_peak(model, x, fused_optimizer=fused)
     finally:
         fused.remove()
     assert estimate.fused.parameters == 12 and not estimate.fused.temporaries_modelled
@@ -169,3 +173,27 @@ def test_the_cli_meets_a_budget_with_the_fused_step_and_exports(tmp_path, capsys
     assert code == 0, err
     assert "fused optimizer step: 62 parameters stepped in backward" in out
     assert (tmp_path / "out" / "state_dict.pt").exists()
+
+
+def test_only_the_fused_optimizer_the_call_names_changes_the_estimate_and_the_plan(fusing):
+    """No hidden global input: a fused optimizer alive in the process, for an unrelated model or
+    for this very one, changes nothing until the call is given it."""
+    from fxopt.capture.trace import trace
+    from fxopt.planning.checkpoint_problem import build_problem
+
+    model, x = seeded(WideMLP, 512), torch.randn(2, 512)
+    gm = trace(model, x)
+
+    def plan_grads(**fused):
+        problem, _ = build_problem(gm, profile=False, **fused)
+        return [info.grad_bytes for info in problem.nodes]
+
+    plain, plain_grads = estimate_peak(model, x), plan_grads()
+    unrelated = fusing(seeded(WideMLP, 512), fused=True)
+    assert estimate_peak(model, x) == plain and plan_grads() == plain_grads
+    assert estimate_peak(model, x, fused_optimizer=unrelated) == plain
+    assert plan_grads(fused_optimizer=unrelated) == plain_grads
+    own = fusing(model, fused=True)  # alive, hooked on model's parameters, not named
+    assert estimate_peak(model, x) == plain and plan_grads() == plain_grads
+    assert estimate_peak(gm, x, fused_optimizer=own).train_bytes < plain.train_bytes
+    assert sum(plan_grads(fused_optimizer=[own, unrelated])) == 0 < sum(plain_grads)

@@ -14,17 +14,20 @@ followed as is.
 
 Both figures count every live storage: parameters, buffers and inputs (``baseline_bytes``) plus
 what the step allocates. Parameters whose optimizer step the user fused into backward
-(``fxopt.fuse_optimizer``) are stepped on the fakes too, with the optimizer's own kernels, and
-their gradients freed at the step (``fxopt.analysis.fused_gradients``); the optimizer's state is
-reported beside the peaks (``optimizer_state_bytes``), not in them. The real BatchNorm statistics, ``.grad``, training flags and the RNG are
-left untouched.
+(``fused_optimizer=``, what ``fxopt.fuse_optimizer`` returned) are stepped on the fakes too, with
+the optimizer's own kernels, and their gradients freed at the step
+(``fxopt.analysis.fused_gradients``); the optimizer's state is reported beside the peaks
+(``optimizer_state_bytes``), not in them. The real BatchNorm statistics, ``.grad``, training flags
+and the RNG are left untouched.
 
 Not handled: memory that kernels allocate internally without returning it as a tensor (invisible
 to the dispatcher on CPU and on fakes alike), the CUDA allocator's caching and its rounding of
 the baseline (counted as ``fxopt.core.tensors.storage_bytes``; what the step allocates is
-rounded, see ``fxopt.analysis.memtrack``), and leaf modules that cannot run on fake tensors:
-those (``meta["fxopt_meta_source"] == "real"``) count only their outputs and their inputs' and
-parameters' grads.
+rounded, see ``fxopt.analysis.memtrack``), and opaque leaves (``meta["fxopt_meta_source"] ==
+"real"``) at other input sizes than the example inputs they were run on for real. Such a leaf
+replays that real run on the fakes (``fxopt.capture.leaf_tape``): its ops allocate, save and free
+as they did for real, so it is counted like any other node; where the replay cannot go through,
+the figures measured inside it on the real run stand in (``fxopt.analysis.leaf_runs``).
 
 ``max_batch_size(model, example_inputs, budget_bytes)`` fits ``peak = a + b * batch`` from two
 estimates, then confirms the answer with estimates at it and one above (bisecting if the fit is
@@ -56,6 +59,7 @@ from fxopt.core.errors import BudgetError, InputError
 from fxopt.core.step import as_args, describe_step, training_step
 from fxopt.core.tensors import storage_bytes, tensors_in
 from fxopt.core.torch_private import FakeTensorMode
+from fxopt.runtime.fused_step import FusedOptimizers
 
 
 @dataclass(frozen=True)
@@ -103,22 +107,27 @@ class PeakEstimate:
                    - self.train_optimizer_step_bytes, 0)
 
 
-def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], Any]
-             ) -> TrainPeak:
+def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], Any],
+             fused_optimizer: FusedOptimizers = None,
+             released: frozenset[str] = frozenset()) -> TrainPeak:
     """The peak of ``step`` run on fakes under the tracker (``grad_bytes``: the parameter
     gradients the step left that were alive at the peak; 0 for a step without backward).
     Parameters the user's fused optimizers step in backward are stepped there on the fakes too
-    (``fxopt.analysis.fused_gradients``)."""
+    (``fxopt.analysis.fused_gradients``); the gradients of those named in ``released`` are
+    dropped once accumulated (``gradients_released``)."""
     real = dict(module.named_parameters(remove_duplicate=False)) if step is _train else {}
     with opaque_leaves_stood_in(module), on_fake_tensors(module, example_inputs) as run, \
             gradients_tagged(run.state.values()), \
-            fused_steps_on_fakes(module, real, run.state) as fused:
+            gradients_released(run.state, released), \
+            fused_steps_on_fakes(module, real, run.state, fused_optimizer) as fused:
         for t in run.state.values():
             t.grad = None
         tracker = LiveStorageTracker()
         try:
             with tracker:
                 described = step(module, run.inputs)
+        except InputError:  # an opaque leaf asked at sizes it was not run at says so itself
+            raise
         except Exception as error:  # torch raises many types on fakes; one clear error instead
             raise InputError(
                 f"{type(module).__name__} cannot run on fake tensors, so its peak cannot be "
@@ -149,6 +158,25 @@ def gradients_tagged(state: Iterable[torch.Tensor]) -> Iterator[None]:
             handle.remove()
 
 
+@contextlib.contextmanager
+def gradients_released(state: dict[str, torch.Tensor], names: frozenset[str]) -> Iterator[None]:
+    """Inside, the gradients of the parameters ``names`` are dropped as soon as they are
+    accumulated: what FSDP2 does to a sharded block's full gradients when it reduce-scatters
+    them (a little later, when the block's backward ends; the 1/N shard it keeps is not
+    counted). Enter after ``gradients_tagged``: hooks run in order."""
+    handles = [state[name].register_post_accumulate_grad_hook(_drop_grad)
+               for name in sorted(names) if name in state and state[name].requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _drop_grad(parameter: torch.Tensor) -> None:
+    parameter.grad = None
+
+
 def _inference(module: nn.Module, inputs: tuple) -> None:
     with training_flags(module, False), torch.no_grad():
         module(*inputs)
@@ -159,9 +187,14 @@ def _train(module: nn.Module, inputs: tuple) -> str:
         return describe_step(training_step(module, inputs))
 
 
-def estimate_train_peak(module: nn.Module, example_inputs: Any) -> TrainPeak:
-    """Predicted training-step peak of ``module`` on ``example_inputs`` (no inference run)."""
-    return _tracked(module, example_inputs, _train)
+def estimate_train_peak(module: nn.Module, example_inputs: Any, *,
+                        fused_optimizer: FusedOptimizers = None,
+                        released_gradients: frozenset[str] = frozenset()) -> TrainPeak:
+    """Predicted training-step peak of ``module`` on ``example_inputs`` (no inference run);
+    ``fused_optimizer``: the ``FusedOptimizer`` (or several) stepping its parameters in backward;
+    ``released_gradients``: parameters whose gradients leave once accumulated (per-block FSDP2:
+    ``fxopt.analysis.blocks.block_parameter_names``)."""
+    return _tracked(module, example_inputs, _train, fused_optimizer, released_gradients)
 
 
 def estimate_inference_peak(module: nn.Module, example_inputs: Any) -> int:
@@ -169,9 +202,11 @@ def estimate_inference_peak(module: nn.Module, example_inputs: Any) -> int:
     return _tracked(module, example_inputs, _inference).bytes
 
 
-def estimate_peak(module: nn.Module, example_inputs: Any) -> PeakEstimate:
-    """Predicted training-step and inference peaks of ``module`` on ``example_inputs``."""
-    train = estimate_train_peak(module, example_inputs)
+def estimate_peak(module: nn.Module, example_inputs: Any, *,
+                  fused_optimizer: FusedOptimizers = None) -> PeakEstimate:
+    """Predicted training-step and inference peaks of ``module`` on ``example_inputs``;
+    ``fused_optimizer``: what ``fxopt.fuse_optimizer`` returned for the training, if it fuses."""
+    train = estimate_train_peak(module, example_inputs, fused_optimizer=fused_optimizer)
     inference = _tracked(module, example_inputs, _inference)
     return PeakEstimate(train.bytes, inference.bytes, train.baseline_bytes, train.op,
                         inference.op, train.grad_bytes, train.fused.optimizer_state_bytes,
@@ -201,14 +236,15 @@ _LARGEST_REFERENCE = 2**20
 
 
 def max_batch_size(model: nn.Module, example_inputs: Any, budget_bytes: int, *,
-                   batch_dim: int = 0) -> int:
+                   batch_dim: int = 0, fused_optimizer: FusedOptimizers = None) -> int:
     """Largest batch whose predicted training peak is at most ``budget_bytes``."""
     peaks: dict[int, int] = {}
 
     def peak(batch: int) -> int:
         if batch not in peaks:
             inputs = resized_inputs(example_inputs, batch, batch_dim)
-            peaks[batch] = estimate_train_peak(model, inputs).bytes
+            peaks[batch] = estimate_train_peak(model, inputs,
+                                               fused_optimizer=fused_optimizer).bytes
         return peaks[batch]
 
     if peak(1) > budget_bytes:

@@ -21,7 +21,11 @@ allocator hands out for it (``fxopt.core.tensors.allocated_bytes``: its size rou
 multiple of 512 bytes, as ``torch.cuda.max_memory_allocated`` counts it with the allocator's
 default settings); so a prediction made on a machine without a GPU, on fake CUDA tensors, is in
 the allocator's units.
-Workspaces that cuBLAS/cuDNN allocate outside tensors are not seen.
+Workspaces that cuBLAS/cuDNN allocate outside tensors are not seen, nor are storages resized in
+place (``untyped_storage().resize_()``, how FSDP2 frees and re-allocates the gathered
+parameters between uses) unless the tracker is built with ``follow_resizes=True``: it then reads
+each live storage's size before and after every op (O(live) per op; for measurements of small
+models, e.g. FSDP2 on CPU).
 
 Storages that existed before the tracker started (parameters, buffers, inputs) are not counted,
 nor views of them: an op output that shares a storage with one of the op's inputs allocated
@@ -31,14 +35,15 @@ nothing. ``fxopt.measure`` adds the pre-existing storages as the baseline.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxopt.core.tensors import allocated_bytes, storage_key, tensors_in
+from fxopt.core.torch_private import StorageWeakRef
 from fxopt.core.torch_private import TorchDispatchMode
 
 
@@ -47,6 +52,7 @@ class _Live:
     ref: StorageWeakRef
     nbytes: int
     tag: str | None = None
+    storage: Any = None  # a weak reference to the storage object (``follow_resizes``)
 
 
 _TAG: list[str | None] = [None]  # what storages allocated now are counted as (see ``tagged``)
@@ -81,12 +87,13 @@ class LiveStorageTracker(TorchDispatchMode):
     ``timeline`` (with ``record_timeline=True``) lists ``(op name, live bytes)`` after each op.
     """
 
-    def __init__(self, *, record_timeline: bool = False) -> None:
+    def __init__(self, *, record_timeline: bool = False, follow_resizes: bool = False) -> None:
         super().__init__()
         self.current_bytes = 0
         self.peak_bytes = 0
         self.peak_op = ""
         self.record_timeline = record_timeline
+        self.follow_resizes = follow_resizes
         self.timeline: list[tuple[str, int]] = []
         self._live: dict[int, _Live] = {}
         self._at_peak: dict[int, StorageWeakRef] = {}
@@ -97,15 +104,17 @@ class LiveStorageTracker(TorchDispatchMode):
         """Treat these tensors' storages as pre-existing (never counted)."""
         self._known.update(storage_key(t) for t in tensors_in(tensors))
 
-    def track_existing(self, tensors: Any) -> None:
-        """Count these tensors' storages as live from now on (a baseline inside the figures)."""
-        for t in tensors_in(tensors):
-            self._add(t, "existing")
-
     def _collect_freed(self) -> None:
         for key in [k for k, live in self._live.items() if live.ref.expired()]:
             self.current_bytes -= self._live.pop(key).nbytes
             self._known.discard(key)
+        if self.follow_resizes:
+            for live in self._live.values():
+                storage = live.storage() if live.storage is not None else None
+                if storage is not None and storage.nbytes() != live.nbytes:
+                    self.current_bytes += storage.nbytes() - live.nbytes
+                    live.nbytes = storage.nbytes()
+            self._note_peak("resize")
 
     def _add(self, t: torch.Tensor, op: str) -> None:
         key = storage_key(t)
@@ -116,10 +125,14 @@ class LiveStorageTracker(TorchDispatchMode):
                 return
             self.current_bytes -= self._live.pop(key).nbytes  # address reused after a free
         nbytes = allocated_bytes(t)
-        self._live[key] = _Live(StorageWeakRef(t.untyped_storage()), nbytes, _TAG[0])
+        storage = weakref.ref(t.untyped_storage()) if self.follow_resizes else None
+        self._live[key] = _Live(StorageWeakRef(t.untyped_storage()), nbytes, _TAG[0], storage)
         self.current_bytes += nbytes
         if self.current_bytes > self.peak_bytes:  # an upper bound until collected: make it exact
             self._collect_freed()
+        self._note_peak(op)
+
+    def _note_peak(self, op: str) -> None:
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self.peak_op = op
@@ -127,7 +140,7 @@ class LiveStorageTracker(TorchDispatchMode):
             self._live_at_peak = list(self._live.values())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.record_timeline:
+        if self.record_timeline or self.follow_resizes:
             self._collect_freed()
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
@@ -136,8 +149,9 @@ class LiveStorageTracker(TorchDispatchMode):
         for t in tensors_in(out):
             if storage_key(t) not in reused:
                 self._add(t, name)
-        if self.record_timeline:
+        if self.record_timeline or self.follow_resizes:
             self._collect_freed()
+        if self.record_timeline:
             self.timeline.append((name, self.current_bytes))
         return out
 

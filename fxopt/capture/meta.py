@@ -10,7 +10,9 @@ A leaf module whose forward cannot run on fake tensors (it reads tensor values, 
 x.sum() > 0``) is run once for real on a deep copy, with random inputs of the right shape, under a
 forked RNG; its outputs are converted back to fake tensors and the node is marked
 ``meta["fxopt_meta_source"] = "real"``. Output shapes that depend on input *values* are then only
-as good as that one sample.
+as good as that one sample -- until capture records the leaf's real run on the example inputs
+(``fxopt.capture.leaf_runs``): from then on the leaf replays that record on fakes
+(``fxopt.capture.leaf_tape``), or, where the replay fails, gets the recorded outputs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import torch
 from torch import fx
 
 from fxopt.capture.fake_run import fake_copy, reparametrized
+from fxopt.capture.leaf_tape import leaves_replayed, recorded_outputs
+from fxopt.capture.train_eval import eval_graph
+from fxopt.core import meta_keys
+from fxopt.core.graphs import placeholder_values
 from fxopt.core.state import preserved_rng
 from fxopt.core.tensors import random_like
 from fxopt.core.torch_private import (
@@ -51,9 +57,13 @@ class _FakeInterpreter(fx.Interpreter):
             return self._run_for_real(target, args, kwargs)
 
     def _run_for_real(self, target: str, args: Any, kwargs: Any) -> Any:
-        """Run one leaf for real on cloned state and random inputs; return fake outputs."""
+        """Run one leaf for real on cloned state and random inputs; return fake outputs (the
+        outputs of the leaf's recorded real run, when it has one that its replay failed)."""
         assert self.node is not None
-        self.node.meta["fxopt_meta_source"] = "real"
+        self.node.meta[meta_keys.META_SOURCE] = meta_keys.REAL
+        recorded = recorded_outputs(self.node, self.fetch_attr(target), args, kwargs)
+        if recorded is not None:
+            return recorded
         prefix = target + "."
         with unset_fake_temporarily(), preserved_rng(), torch.no_grad():
             state = {name[len(prefix):]: t.detach().clone()
@@ -96,13 +106,9 @@ def propagate_meta(gm: fx.GraphModule, example_inputs: tuple, *,
     real_state = dict(gm.named_parameters(remove_duplicate=False))
     real_state.update(gm.named_buffers(remove_duplicate=False))
     fake_state = {name: mode.from_tensor(t) for name, t in real_state.items()}
-    with preserved_rng(), reparametrized(gm, fake_state), mode, quiet_fake_tensor_logs():
+    with preserved_rng(), reparametrized(gm, fake_state), mode, quiet_fake_tensor_logs(), \
+            leaves_replayed(gm):
         _FakeInterpreter(gm, mode, real_state, around_node).run(*fake_inputs)
-
-
-def placeholder_values(gm: fx.GraphModule) -> tuple:
-    """The example inputs as the graph last saw them: the placeholders' ``meta["val"]``."""
-    return tuple(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")
 
 
 def refresh_meta(gm: fx.GraphModule) -> None:
@@ -112,3 +118,45 @@ def refresh_meta(gm: fx.GraphModule) -> None:
     shape, stride, dtype and device (values never matter to fake propagation).
     """
     propagate_meta(gm, placeholder_values(gm))
+
+
+def drop_autograd_history(gm: fx.GraphModule) -> None:
+    """Cut the autograd graphs of fake propagation out of ``meta["val"]`` in every graph of
+    ``gm`` (its blocks, eval-mode graphs, region and scope bodies), keeping shape, dtype,
+    strides and ``requires_grad``.
+
+    A fake run through a checkpointed region records torch.utils.checkpoint's recomputation
+    closure, which holds a real copy of the RNG state (5 KiB on CPU, more with CUDA
+    generators): kept in the metadata it stays resident as long as the module lives. Analyses
+    that need views and histories run the graph again on fakes.
+    """
+    seen: set[int] = set()
+    for graph in _graphs_of(gm):
+        if id(graph) in seen:
+            continue
+        seen.add(id(graph))
+        for node in graph.nodes:
+            if "val" in node.meta:
+                node.meta["val"] = tree_map_only(torch.Tensor, _without_history, node.meta["val"])
+
+
+def _without_history(value: torch.Tensor) -> torch.Tensor:
+    if value.grad_fn is None:
+        return value
+    with value.fake_mode if hasattr(value, "fake_mode") else contextlib.nullcontext():
+        return value.detach().requires_grad_(value.requires_grad)
+
+
+def _graphs_of(gm: fx.GraphModule) -> list[fx.Graph]:
+    graphs = []
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            graphs.append(module.graph)
+            extra = eval_graph(module)
+            if extra is not None:
+                graphs.append(extra)
+        for value in vars(module).values():
+            body = getattr(value, "body", value)
+            if isinstance(body, fx.GraphModule):
+                graphs.append(body.graph)
+    return graphs

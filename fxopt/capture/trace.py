@@ -44,6 +44,7 @@ from typing import Any
 
 from torch import fx, nn
 
+from fxopt.capture.leaf_runs import record_leaf_runs
 from fxopt.capture.trace_checks import (
     check_state_kept,
     propagate_meta_explained,
@@ -56,6 +57,7 @@ from fxopt.capture.train_eval import (
     install_eval_graph,
     same_graph,
 )
+from fxopt.core import meta_keys
 from fxopt.core.errors import TraceError
 from fxopt.core.inputs import check_inputs, concrete_args
 from fxopt.core.modules import (
@@ -96,6 +98,8 @@ class TraceInfo:
     mode_dependent: bool = False
     frontend: str = "fx"
     not_used: tuple[tuple[str, str], ...] = ()
+    # one line per opaque leaf measured on a real run (fxopt.analysis.leaf_runs.leaf_lines)
+    leaf_runs: tuple[str, ...] = ()
 
 
 class _FallbackTracer(fx.Tracer):
@@ -262,8 +266,9 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
         install_eval_graph(gm, eval_graph)
         info.mode_dependent = True
     propagate_meta_explained(model, gm, args)
+    record_leaf_runs(gm, args)  # leaves that cannot run on fakes: measured on a real run
     info.seconds = time.perf_counter() - start
-    gm.meta["fxopt_trace"] = info
+    gm.meta[meta_keys.TRACE] = info
     return gm
 
 

@@ -115,6 +115,14 @@ def install_eval_graph(gm: fx.GraphModule, eval_graph: fx.Graph) -> None:
     type(gm).__deepcopy__ = _deepcopy_with_eval_attributes
 
 
+def replace_eval_graph(gm: fx.GraphModule, graph: fx.Graph) -> None:
+    """Make ``gm``'s mode dispatch run ``graph``, an edited copy of its eval-mode graph."""
+    method = codegen_of(gm.graph).method
+    eval_module = code_only_module(graph, gm, f"{type(gm).__name__}Eval")
+    gm.graph.set_codegen(ModeDispatchCodeGen(EvalForward(eval_module), method=method))
+    gm.recompile()
+
+
 def _deepcopy_with_eval_attributes(self: fx.GraphModule, memo: dict) -> fx.GraphModule:
     """torch.fx's deep copy keeps only the attributes the train-mode graph reads; the plain
     attributes only the eval-mode graph reads (a higher-order op's body, a constant) come too."""

@@ -24,6 +24,7 @@ from torch import nn
 from fxopt.core.errors import InputError
 from fxopt.core.step import as_args
 from fxopt.core.torch_private import tree_leaves
+from fxopt.core.wrapped import refuse_wrapped
 
 PLAIN = (type(None), bool, int, float, str)
 
@@ -36,6 +37,7 @@ def check_inputs(model: Any, example_inputs: Any, example_kwargs: dict | None = 
             f"fxopt needs a torch.nn.Module, got {type(model).__name__}",
             hint="pass the model object itself (e.g. fxopt.optimize(MyNet(), inputs)).",
         )
+    refuse_wrapped(model)
     if isinstance(example_inputs, dict):
         raise InputError(
             "example inputs given as a dict: fxopt takes forward's positional arguments",

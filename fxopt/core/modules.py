@@ -17,6 +17,13 @@ import operator
 import torch
 from torch import fx, nn
 
+from fxopt.core.torch_private import (
+    COMPILED_CALL,
+    FULL_BACKWARD_HOOK_FLAG,
+    GRAPH_MODULE_CONTAINERS,
+    RNN_WEIGHT_CACHES,
+)
+
 # Every dict or set ``nn.Module.__init__`` gives an instance. On torch 2.14: _parameters,
 # _buffers, _non_persistent_buffers_set, _modules, and 11 hook dicts: forward pre/post hooks and
 # their with_kwargs/always_call marks, backward pre/post hooks, state_dict and load_state_dict
@@ -42,9 +49,8 @@ CALL_HOOK_DICTS: dict[str, str] = {
 # Per-instance containers of torch's own subclasses: GraphModule's (besides its graph, which is
 # copied node by node), and the RNN weight list that ``rnn.weight_ih_l0 = ...`` updates in place.
 _CLASS_CONTAINERS: tuple[tuple[type, tuple[str, ...]], ...] = (
-    (fx.GraphModule, ("meta", "_lineno_map", "_tracer_extras", "_replace_hooks",
-                      "_create_node_hooks", "_erase_node_hooks", "_deepcopy_hooks")),
-    (nn.RNNBase, ("_flat_weights", "_flat_weight_refs")),
+    (fx.GraphModule, ("meta", *GRAPH_MODULE_CONTAINERS)),
+    (nn.RNNBase, tuple(sorted(RNN_WEIGHT_CACHES))),
 )
 
 
@@ -90,8 +96,8 @@ def copy_hooks(source: nn.Module, target: nn.Module) -> None:
     for name in HOOK_DICTS:
         if name in source.__dict__:
             target.__dict__[name] = copy.copy(source.__dict__[name])
-    if "_is_full_backward_hook" in source.__dict__:
-        target.__dict__["_is_full_backward_hook"] = source.__dict__["_is_full_backward_hook"]
+    if FULL_BACKWARD_HOOK_FLAG in source.__dict__:
+        target.__dict__[FULL_BACKWARD_HOOK_FLAG] = source.__dict__[FULL_BACKWARD_HOOK_FLAG]
 
 
 def structural_copy(model: nn.Module) -> nn.Module:
@@ -138,7 +144,7 @@ def structural_copy(model: nn.Module) -> nn.Module:
         new = type(module).__new__(type(module))
         memo[id(module)] = new
         state = dict(module.__dict__)
-        state.pop("_compiled_call_impl", None)
+        state.pop(COMPILED_CALL, None)
         containers = MODULE_CONTAINERS + tuple(
             name for cls, names in _CLASS_CONTAINERS if isinstance(module, cls) for name in names)
         for name in containers:
@@ -171,6 +177,12 @@ def own_children(module: nn.Module) -> dict[str, nn.Module | None]:
     """``module``'s direct submodule slots in registration order, None entries included
     (``named_children`` skips those)."""
     return dict(module._modules)
+
+
+def replace_child(parent: nn.Module, name: str, child: nn.Module) -> None:
+    """Put ``child`` in ``parent``'s submodule slot ``name``, keeping the slot's place in the
+    registration order (``setattr`` would too, but runs ``parent``'s own ``__setattr__``)."""
+    parent._modules[name] = child
 
 
 def non_persistent_buffers(module: nn.Module) -> set[str]:

@@ -57,6 +57,7 @@ from fxopt.core.errors import ExportError, FxoptError
 from fxopt.core.step import as_args
 from fxopt.core.tensors import module_device
 from fxopt.export.codegen import Generated, generate, python_identifier
+from fxopt.rewrite.blocks import inline_blocks
 from fxopt.verify.equivalence import VerifyReport, verify
 
 FORMAT = "fxopt.export/1"
@@ -124,6 +125,7 @@ def export(gm: fx.GraphModule, out_dir: str | Path, *, example_inputs: Any = Non
         raise ExportError(f"cannot export to {folder}: it is a file, not a folder",
                           where=str(folder), hint="give a folder path (new or existing)")
     with _internal_errors(name, "generating model.py", f"model.py for {folder}"):
+        gm = inline_blocks(gm)  # the folder is one module's code; blocks become plain modules
         generated = generate(gm, name)
     with _staging(folder) as staging:
         with _internal_errors(name, "writing the files", f"the files for {folder}"):

@@ -8,7 +8,7 @@
   for backward, with the layer that computed it and the layers whose backward keeps it, largest
   first. Tensors autograd saves that are no graph value (BatchNorm's mean and inverse std, dropout
   masks, max-pool indices) are listed as "internal" of the layer that saved them;
-- when the user fused an optimizer's step into backward (``fxopt.fuse_optimizer``): the peak
+- when the user fused an optimizer's step into backward (``fused_optimizer=``): the peak
   predicted with that step (gradients, the step's temporaries and activations at it) and the
   optimizer's state. The measured figure runs with the fused step paused: fxopt's runs never
   update the user's parameters.
@@ -30,12 +30,13 @@ from torch import fx, nn
 
 from fxopt.analysis import saved_for_backward
 from fxopt.analysis.estimate import PeakEstimate, estimate_peak
-from fxopt.capture.meta import placeholder_values
+from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import trace
+from fxopt.core import meta_keys
 from fxopt.core.tensors import storage_bytes, tensors_in
 from fxopt.measure.advice import user_source_line
-from fxopt.measure.peaks import MemoryFigure, format_bytes, measure_train_step
-from fxopt.runtime.fused_step import fused_parameters
+from fxopt.measure.peaks import MemoryFigure, format_bytes, measure_train_step, refuse_compiled
+from fxopt.runtime.fused_step import FusedOptimizers, fused_parameters
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,10 @@ def layer_of(gm: fx.GraphModule, node: fx.Node, *, detailed: bool = True) -> str
     if node.op == "call_module":
         kind = f" ({type(gm.get_submodule(node.target)).__name__})" if detailed else ""
         return f"{node.target}{kind}"
-    stack = node.meta.get("nn_module_stack")
+    stack = meta_keys.module_stack(node)
     if stack:
-        path, kind = list(stack.values())[-1]
-        # fx records the class, torch.export its qualified name ("torch.nn.modules.linear.Linear")
-        kind = getattr(kind, "__name__", str(kind).rpartition(".")[2])
-        return f"{path} ({kind})" if detailed else path
+        path, kind = stack[-1]
+        return f"{path} ({meta_keys.kind_name(kind)})" if detailed else path
     line = user_source_line(node) if detailed else ""
     return f"{node.name}: {line}" if line else node.name
 
@@ -161,14 +160,20 @@ def _attribute(gm: fx.GraphModule, target: str) -> Any:
 
 
 def memory_breakdown(model: nn.Module, example_inputs: Any, *,
-                     gm: fx.GraphModule | None = None) -> Breakdown:
+                     gm: fx.GraphModule | None = None,
+                     fused_optimizer: FusedOptimizers = None) -> Breakdown:
     """Measured peak split by kind, and the tensors saved for backward (see the docstring).
     ``gm``: ``model``'s graph, when already captured; a module fxopt captured or optimized
-    (an ``fx.GraphModule`` with values on its placeholders) is its own graph."""
+    (an ``fx.GraphModule`` with values on its placeholders) is its own graph.
+    ``fused_optimizer``: the user's optimizer step fused into backward (``fxopt.fuse_optimizer``).
+    A module running torch.compile'd code is refused (``InputError``): its saved tensors are the
+    compiler's choice, not the graph's."""
+    refuse_compiled("memory_breakdown", model)
     if gm is None and _captured(model):
         gm = model
     traced = gm if gm is not None else trace(model, example_inputs)
     saved, saved_bytes = saved_tensors(traced)
-    fused = estimate_peak(traced, placeholder_values(traced)) if fused_parameters(model) else None
+    fused = (estimate_peak(traced, placeholder_values(traced), fused_optimizer=fused_optimizer)
+             if fused_parameters(model, fused_optimizer) else None)
     return Breakdown(type(model).__name__, measure_train_step(model, example_inputs), saved,
                      saved_bytes, fused)

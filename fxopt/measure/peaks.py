@@ -13,6 +13,15 @@ carries one (``loss.backward()``), else from every differentiable output with ra
 (``MemoryFigure.backward_from`` says which); inference is one forward in eval mode under
 ``torch.no_grad()``. Both run under ``preserved_state``: the module's grads, buffers (BatchNorm
 statistics), training flags and the RNG are exactly as before afterwards.
+
+A module that runs ``torch.compile``d code (``torch.compile(model)``, or ``block.compile()`` on
+any of its submodules; ``fxopt.core.torch_private.compiled_modules``) cannot be measured by
+storage tracking: with a dispatch mode active dynamo runs the eager code, so the figure would be
+the eager model's. Such a module runs once to compile, and the second run is measured at
+allocator level (``fxopt.measure.allocations``): on CPU the allocator's events as torch.profiler
+records them (a few kilobytes of kernel scratch buffers more than storage tracking sees), on CUDA
+the caching allocator. ``MemoryFigure.method`` says so, and gradients are not told apart from
+activations.
 """
 
 from __future__ import annotations
@@ -24,14 +33,18 @@ import torch
 from torch import nn
 
 from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.core.errors import InputError
 from fxopt.core.inputs import bind_keywords, refuse_meta_tensors
 from fxopt.core.state import preserved_state
 from fxopt.core.step import FROM_LOSS, as_args, describe_step, training_step
-from fxopt.core.tensors import module_device, storage_bytes
-from fxopt.measure.allocations import cuda_peak_during
+from fxopt.core.tensors import format_bytes, module_device, storage_bytes
+from fxopt.core.torch_private import compiled_modules, uncompiled
+from fxopt.measure.allocations import cuda_peak_during, peak_allocated_during
 
 
 CUDA_METHOD = "CUDA caching allocator"
+TRACKED_METHOD = "live-storage tracking (exact)"
+CPU_ALLOCATOR_METHOD = "CPU allocator (torch.profiler memory events)"
 
 
 @dataclass(frozen=True)
@@ -58,8 +71,8 @@ class MemoryFigure:
     def format(self) -> str:
         """One readable line: ``train peak 36.2 MiB = baseline 858.8 KiB (parameters ...,
         buffers ..., inputs ...) + step 35.4 MiB (gradients ..., activations ...)``."""
-        split = ("gradients and activations not told apart by the CUDA allocator"
-                 if self.method == CUDA_METHOD else
+        split = ("gradients and activations not told apart by the allocator"
+                 if self.method != TRACKED_METHOD else
                  f"gradients {format_bytes(self.grads_at_peak_bytes)}, activations "
                  f"{format_bytes(self.activations_at_peak_bytes)}")
         return (f"{self.mode} peak {format_bytes(self.peak_bytes)} = baseline "
@@ -95,15 +108,6 @@ class MemoryReport:
         return self.format()
 
 
-def format_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
-
-
 def _describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} {torch.cuda.get_device_name(device)}"
@@ -114,9 +118,10 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str,
              example_kwargs: dict[str, Any] | None = None) -> MemoryFigure:
     inputs = as_args(example_inputs)
     if example_kwargs:
-        inputs = bind_keywords(module, inputs, example_kwargs)
+        inputs = bind_keywords(uncompiled(module), inputs, example_kwargs)
     refuse_meta_tensors("measure", module, inputs)
     device = module_device(module, inputs)
+    compiled = compiled_modules(module)
     parameters, buffers = list(module.parameters()), list(module.buffers())
     # A storage shared by several kinds counts once, for the first of parameters, buffers, inputs.
     params_bytes = storage_bytes(parameters)
@@ -140,7 +145,16 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str,
                 with torch.no_grad():
                     module(*inputs)
 
-        if device.type == "cuda":
+        if compiled:
+            # Storage tracking would make dynamo run the eager code. The first call compiles (and
+            # may allocate to do so); the second, the compiled code alone, is the one measured.
+            run()
+            for p in module.parameters():
+                p.grad = None
+            described.clear()
+            step_peak = peak_allocated_during(run, device)
+            grads_at_peak, method = 0, compiled_method(device, compiled)
+        elif device.type == "cuda":
             step_peak = cuda_peak_during(run, device)
             grads_at_peak, method = 0, CUDA_METHOD
         else:
@@ -150,7 +164,7 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str,
             step_peak = tracker.peak_bytes
             grads = [p.grad for p in module.parameters() if p.grad is not None]
             grads_at_peak = tracker.bytes_at_peak(grads)
-            method = "live-storage tracking (exact)"
+            method = TRACKED_METHOD
     return MemoryFigure(
         mode=mode, device=_describe(device), method=method,
         peak_bytes=baseline + step_peak, baseline_bytes=baseline, params_bytes=params_bytes,
@@ -158,6 +172,28 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str,
         activations_at_peak_bytes=step_peak - grads_at_peak,
         backward_from=described[-1] if described else "",
     )
+
+
+def compiled_method(device: torch.device, compiled: list[str]) -> str:
+    """How a module running ``torch.compile``d code (at the paths ``compiled``) is measured."""
+    where = ", ".join(path or "the module itself" for path in compiled[:3])
+    more = f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""
+    allocator = CUDA_METHOD if device.type == "cuda" else CPU_ALLOCATOR_METHOD
+    return f"{allocator}, torch.compile'd code ({where}{more}) after one warm-up call"
+
+
+def refuse_compiled(what: str, module: nn.Module) -> None:
+    """Raise ``InputError`` when ``module`` runs ``torch.compile``d code: ``what`` follows the ops
+    of one run, and under its dispatch mode dynamo runs the eager code instead of the compiled."""
+    compiled = compiled_modules(module)
+    if compiled:
+        where = ", ".join(path or "the module itself" for path in compiled[:3])
+        raise InputError(
+            f"{what} cannot see inside torch.compile'd code: it records the ops of one run, and "
+            "while it records them torch.compile runs the eager code instead, so its figures "
+            "would be the uncompiled model's", where=f"{what}({type(module).__name__}): {where}",
+            hint="pass the module as it was before torch.compile (or before .compile() on its "
+                 "blocks); fxopt.measure(compiled, inputs) measures the compiled peaks")
 
 
 def measure_train_step(module: nn.Module, example_inputs: Any,
@@ -179,7 +215,10 @@ def measure(module: nn.Module, example_inputs: Any,
     ``example_inputs`` are forward's positional arguments (a tensor or a tuple), and
     ``example_kwargs`` its keyword ones, bound by name as ``fxopt.optimize`` binds them. The model
     runs for real, on the device its parameters and inputs are on: on CPU every tensor storage
-    alive is counted (exact), on CUDA the caching allocator's peak is read.
+    alive is counted (exact), on CUDA the caching allocator's peak is read. A module running
+    ``torch.compile``d code (the whole model or some of its blocks) is measured as compiled, at
+    allocator level after one warm-up run (see the module docstring); ``report.train.method``
+    says so.
 
     Returns a ``MemoryReport`` with ``.train`` and ``.inference`` (``MemoryFigure``): figures in
     bytes (``peak_bytes`` is the whole step, parameters, buffers and inputs included;

@@ -23,6 +23,7 @@ from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.core.state import preserved_state
 from fxopt.core.step import as_args, backward_from
 from fxopt.core.tensors import storage_bytes
+from fxopt.measure.peaks import refuse_compiled
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,9 @@ class Timeline:
 
 
 def training_timeline(module: nn.Module, example_inputs: Any, *, label: str = "") -> Timeline:
-    """Live bytes after every op of one training step of ``module`` (see the module docstring)."""
+    """Live bytes after every op of one training step of ``module`` (see the module docstring).
+    A module running torch.compile'd code is refused (``InputError``)."""
+    refuse_compiled("training_timeline", module)
     inputs = as_args(example_inputs)
     baseline = storage_bytes((list(module.parameters()), list(module.buffers()), inputs))
     tracker = LiveStorageTracker(record_timeline=True)

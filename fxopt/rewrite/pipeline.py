@@ -20,7 +20,9 @@ from torch import fx
 
 from fxopt.core.errors import BudgetError, ConfigError, FxoptError, PassError
 from fxopt.rewrite.invariants import lint_after_pass, snapshot
+from fxopt.rewrite.pass_base import plain_stats
 from fxopt.rewrite.registry import PassRegistry, PassSpec
+from fxopt.runtime.fused_step import FusedOptimizers
 
 PassRequest = str | tuple[str, dict[str, Any]]
 
@@ -65,11 +67,28 @@ def parse_pass_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
 @dataclass
 class Config:
     """What to run. ``passes=None`` means the registry's default passes (with a memory budget,
-    also ``chunked_loss``); the budget goes to ``checkpoint`` and ``chunked_loss``."""
+    also ``chunked_loss``); the budget goes to ``checkpoint`` and ``chunked_loss``.
+    ``fused_optimizer``: the user's optimizer step fused into backward (``fxopt.fuse_optimizer``),
+    handed to every pass that takes a ``fused_optimizer`` option (not recorded in its options).
+    ``shard_blocks``: the module will be sharded with FSDP2 per block, handed likewise to every
+    pass that takes a ``shard_blocks`` option."""
 
     passes: list[PassRequest] | str | None = None
     memory_budget: int | float | str | None = None
     dump_dir: str | Path | None = None
+    fused_optimizer: FusedOptimizers = None
+    shard_blocks: bool = False
+
+    def given(self, spec: PassSpec) -> dict[str, Any]:
+        """What the training the passes plan for tells ``spec`` beyond its options: the fused
+        optimizer and per-block sharding, to a pass whose function takes them."""
+        takes = inspect.signature(spec.run).parameters
+        given: dict[str, Any] = {}
+        if self.fused_optimizer is not None and "fused_optimizer" in takes:
+            given["fused_optimizer"] = self.fused_optimizer
+        if self.shard_blocks and "shard_blocks" in takes:
+            given["shard_blocks"] = True
+        return given
 
     def resolved(self, registry: PassRegistry) -> list[tuple[PassSpec, dict[str, Any]]]:
         """The passes of ``registry`` to run with their options, validated, in canonical order."""
@@ -133,7 +152,7 @@ class PassRecord:
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "options": {k: repr(v) for k, v in self.options.items()},
-            "modified": self.modified, "stats": self.stats, "seconds": self.seconds,
+            "modified": self.modified, "stats": plain_stats(self.stats), "seconds": self.seconds,
             "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
         }
 
@@ -169,7 +188,7 @@ def run_passes(gm: fx.GraphModule, config: Config, registry: PassRegistry) -> li
         before = snapshot(gm)
         start = time.perf_counter()
         try:
-            result = spec.run(gm, **options)
+            result = spec.run(gm, **{**config.given(spec), **options})
         except (BudgetError, ConfigError, PassError):
             raise
         except FxoptError as error:
