@@ -67,7 +67,11 @@ def _optimized():
 
 def test_captured_state_changes_are_scoped():
     _, slim, _ = _optimized()
-    targets = {n.target for n in slim.graph.nodes if n.op == "call_function"}
+    # a scope may sit in the root's graph, a block's (fxopt.rewrite.blocks) or a region body's
+    graphs = [m.graph for m in slim.modules() if isinstance(m, torch.fx.GraphModule)]
+    graphs += [v.body.graph for m in slim.modules() for v in vars(m).values()
+               if type(v).__name__ == "CheckpointedRegion"]
+    targets = {n.target for g in graphs for n in g.nodes if n.op == "call_function"}
     assert grad_mode_scope in targets
     assert not any("wrap_with_set_grad_enabled" in str(t) for t in targets)
 
@@ -79,7 +83,8 @@ def _step(module, x):
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
 def test_an_error_at_any_operator_leaves_grad_mode_and_autocast_as_before(autocast):
     model, slim, x = _optimized()
-    assert any(type(v).__name__ == "CheckpointedRegion" for v in vars(slim).values())
+    assert any(type(v).__name__ == "CheckpointedRegion"
+               for m in slim.modules() for v in vars(m).values())
     counter = FailAt()
     with counter:
         _step(slim, x)
