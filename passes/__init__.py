@@ -10,6 +10,7 @@ from passes.causal_attention import causal_attention
 from passes.checkpoint import checkpoint
 from passes.chunked_loss import chunked_loss
 from passes.inplace_activations import inplace_activations
+from passes.loss_chunk_size import loss_chunk_size
 from passes.pad_channels import pad_channels
 from passes.reorder import reorder
 
@@ -31,9 +32,12 @@ REGISTRY = PassRegistry([
     PassSpec("checkpoint", checkpoint,
              "recompute the cheapest regions in backward to fit a memory budget",
              default=False, aliases=("ckpt",)),
+    PassSpec("loss_chunk_size", loss_chunk_size,
+             "the chunked loss's chunks made as wide (fast) as the predicted peak allows, "
+             "after the plan (follows chunked_loss under a memory budget)", default=False),
     PassSpec("reorder", reorder, "memory-aware topological order (lowest predicted peak)"),
 ])
 
 __all__ = ["REGISTRY", "PassRegistry", "PassSpec", "causal_attention", "checkpoint",
-           "chunked_loss", "inplace_activations",
+           "chunked_loss", "inplace_activations", "loss_chunk_size",
            "pad_channels", "reorder"]

@@ -31,10 +31,12 @@ original, up to float rounding: the mean is over the non-ignored tokens of the w
 
 ``chunk_rows``: tokens per chunk, or ``"auto"`` (``fxopt.planning.loss_chunks``). ``force``:
 rewrite even where the planner predicts no saving. ``budget``: set by ``fxopt.optimize``'s
-``memory_budget`` (the pass joins the default pipeline then, ``passes=None``): the chunk size is
-chosen from the budget (``fxopt.planning.loss_chunks.budget_chunk_rows``), and the rewrite is
-kept only when it lowers the predicted training peak (``fxopt.analysis.estimate``, on a copy of
-the graph); the stats give both predictions and the loss's share of the peak before and after.
+``memory_budget`` (the pass joins the default pipeline then, ``passes=None``): with
+``chunk_rows="auto"`` the call gets the smallest chunk, for the checkpoint planner to plan
+around, and ``passes.loss_chunk_size`` widens it after the plan as far as the predicted peak
+allows; the rewrite is kept only when it lowers the predicted training peak
+(``fxopt.analysis.estimate``, on a copy of the graph); the stats give both predictions and the
+loss's share of the peak before and after.
 
 Left alone, with the reason in ``stats["skipped"]``: class weights, ``reduction="none"``,
 probability targets, label smoothing or ignore_index computed in the graph, a projection with
@@ -57,6 +59,7 @@ from fxopt.analysis.estimate import estimate_train_peak
 from fxopt.capture.meta import refresh_meta
 from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import graph_module_like
+from fxopt.core import meta_keys
 from fxopt.core.errors import ConfigError
 from fxopt.core.torch_private import copy_codegen
 from fxopt.planning.budget import parse_budget
@@ -127,7 +130,8 @@ def _apply(gm: fx.GraphModule, *, outputs: str, chunk_rows: int | str, force: bo
         if decision.chunk_rows is None:
             skipped[site.name] = decision.reason or "not worth it"
             continue
-        record = _rewrite(gm, site, decision.chunk_rows, outputs)
+        record = _rewrite(gm, site, decision.chunk_rows, outputs,
+                          chosen=chunk_rows == "auto")
         record.update(predicted_removed_bytes=decision.removed_bytes,
                       predicted_added_bytes=decision.added_bytes)
         records.append(record)
@@ -148,7 +152,8 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return candidate
 
 
-def _rewrite(gm: fx.GraphModule, site: TokenLoss, rows: int, outputs: str) -> dict[str, Any]:
+def _rewrite(gm: fx.GraphModule, site: TokenLoss, rows: int, outputs: str, *,
+             chosen: bool) -> dict[str, Any]:
     graph = gm.graph
     uses = site.logits_uses
     dropped = []
@@ -183,6 +188,7 @@ def _rewrite(gm: fx.GraphModule, site: TokenLoss, rows: int, outputs: str) -> di
         target = chunked_loss_and_logits if want_logits else chunked_loss_call
         call = mark_new(graph.call_function(target, (site.hidden, weight, bias, site.targets),
                                             options), PASS_NAME)
+        call.meta[meta_keys.CHUNK_ROWS] = "auto" if chosen else "given"
         if want_logits:
             loss = mark_new(graph.call_function(operator.getitem, (call, 0)), PASS_NAME)
             logits = mark_new(graph.call_function(operator.getitem, (call, 1)), PASS_NAME)

@@ -21,7 +21,7 @@ from fxopt.capture.chain import capture
 from fxopt.core.inputs import bind_keywords
 from fxopt.core.step import training_step
 from fxopt.measure.peaks import measure_train_step
-from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, auto_chunk_rows, budget_chunk_rows, decide
+from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, auto_chunk_rows, decide
 from fxopt.runtime.chunked_loss import (
     LogitsNotComputed,
     chunked_loss as chunked_loss_call,
@@ -381,14 +381,15 @@ def test_hugging_face_causal_lm_is_verified_and_measured_lower(name, outputs):
 # The planner
 
 
-def test_a_memory_budget_brings_the_pass_in_with_a_chunk_size_from_the_budget():
+def test_a_memory_budget_brings_the_pass_in_with_the_smallest_chunk_then_sizes_it():
     model, inputs = seeded(TinyLM), labels_with_ignored()
     gm = fxopt.optimize(model, inputs, memory_budget="min")
     records = {r.name: r for r in gm.fxopt_report.passes}
     chunked = records["chunked_loss"]
     site, = chunked.stats["sites"]
     assert chunked.modified and chunked.options == {"budget": "min"}
-    assert site["chunk_rows"] == budget_chunk_rows("min", BATCH * SEQ, VOCAB, HIDDEN, 4)
+    assert site["chunk_rows"] == MIN_CHUNK_ROWS  # planned around; then widened after the plan
+    assert "loss_chunk_size" in records  # (tests/test_loss_chunk_size.py)
     assert chunked.stats["predicted_after"] < chunked.stats["predicted_before"]
     assert 0 < site["loss_share_after"] < 1 and 0 < site["loss_share_before"] < 1
     assert records["checkpoint"].stats["predicted_before"] == chunked.stats["predicted_after"]
@@ -398,14 +399,12 @@ def test_a_memory_budget_brings_the_pass_in_with_a_chunk_size_from_the_budget():
     assert [r.name for r in listed.fxopt_report.passes] == ["checkpoint", "reorder"]
 
 
-def test_chunk_rows_from_budgets():
+def test_chunk_rows_with_and_without_a_budget():
     tokens, vocab, hidden = 1024, 32000, 256
     assert auto_chunk_rows(tokens, vocab, hidden, 4) == 64  # 8 MiB of float32 logits
-    assert budget_chunk_rows("min", tokens, vocab, hidden, 4) == 64  # the temporaries are
-    # not at a least-memory plan's peak; smaller chunks cost time (planning.loss_chunks)
-    assert budget_chunk_rows(0.5, tokens, vocab, hidden, 4) == 64
-    assert budget_chunk_rows("300MiB", tokens, vocab, hidden, 4) == 32
-    assert budget_chunk_rows(2**20, tokens, vocab, hidden, 4) == MIN_CHUNK_ROWS
+    for budget in ("min", 0.5, "300MiB", 2**20):  # the smallest, widened after the plan
+        assert decide(tokens, vocab, hidden, 4, budget=budget).chunk_rows == MIN_CHUNK_ROWS
+    assert decide(tokens, vocab, hidden, 4, budget="min", chunk_rows=100).chunk_rows == 100
     assert decide(8, vocab, hidden, 4).chunk_rows is None  # 8 tokens: nothing to gain
     assert decide(tokens, 100, hidden, 4).reason.startswith("the projection does not widen")
 

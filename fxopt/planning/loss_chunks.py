@@ -7,25 +7,31 @@ instead, from the end of the forward on, the gradients for the hidden states (to
 and the head's weight (vocab x hidden), and holds ``CHUNK_TENSORS`` chunk x vocab temporaries
 while a chunk is computed. ``decide`` rewrites when the first is larger than the second.
 
-Chunk size: large enough that each chunk's matmuls stay efficient, small enough that the chunk's
-temporaries are a small part of what the rewrite removes. ``auto_chunk_rows`` takes the rows
-whose chunk x vocab logits are as large as the larger of the hidden states (already alive at
-that point, Liger's rule) and ``TARGET_CHUNK_BYTES``, as a power of two, at least
-``MIN_CHUNK_ROWS``. Under the planner's ``memory_budget`` (``budget_chunk_rows``), a byte budget
-takes the largest power of two whose temporaries take at most ``1 / BUDGET_SHARE`` of it.
+Chunk size. Without a memory budget, ``auto_chunk_rows``: large enough that each chunk's matmuls
+stay efficient, small enough that the chunk's temporaries are a small part of what the rewrite
+removes: the rows whose chunk x vocab logits are as large as the larger of the hidden states
+(already alive at that point, Liger's rule) and ``TARGET_CHUNK_BYTES``, as a power of two, at
+least ``MIN_CHUNK_ROWS``. Under a memory budget, memory first, then time: the loss is rewritten
+with the smallest chunk (``MIN_CHUNK_ROWS``) so the checkpoint planner plans around the least
+the loss can hold; once the plan is made, ``widest_chunk_rows`` takes the widest chunk, up to
+``FAST_CHUNK_ROWS``, whose predicted training peak is no higher (``passes.loss_chunk_size``).
+The chunk's temporaries live only while the loss runs in the forward, which is rarely where a
+least-memory plan peaks, and small chunks are slow: each chunk reads the head's whole weight
+three times. Measured on CPU (one thread, the loss's forward and backward alone, 1,024 tokens,
+hidden 256; ``benchmarks/results/loss_chunk_time_cpu.txt``): at vocab 151,936, 16 tokens per
+chunk take 1.32x the time of 256.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-
-from fxopt.planning.budget import parse_budget
 
 LOSS_TENSORS = 3          # vocab-sized tensors the original holds at the loss's backward
 CHUNK_TENSORS = 2         # chunk x vocab temporaries alive while one chunk is computed
 TARGET_CHUNK_BYTES = 8 * 2**20
 MIN_CHUNK_ROWS = 16
-BUDGET_SHARE = 32         # a byte budget's part the chunk's temporaries may take: 1 / this
+FAST_CHUNK_ROWS = 256     # wider chunks were no faster on CPU (module docstring)
 
 
 @dataclass(frozen=True)
@@ -42,47 +48,56 @@ def _floor_pow2(n: int) -> int:
     return 1 << max(0, int(n).bit_length() - 1)
 
 
-def auto_chunk_rows(tokens: int, vocab: int, hidden: int, itemsize: int,
-                    chunk_budget_bytes: int | None = None) -> int:
-    """Tokens per chunk (see the module docstring)."""
-    row_bytes = max(1, vocab * itemsize * CHUNK_TENSORS)
-    if chunk_budget_bytes is not None:
-        rows = _floor_pow2(max(1, chunk_budget_bytes // row_bytes))
-    else:
-        target = max(tokens * hidden * itemsize, TARGET_CHUNK_BYTES)
-        rows = max(MIN_CHUNK_ROWS, _floor_pow2(max(1, target // (vocab * itemsize))))
+def auto_chunk_rows(tokens: int, vocab: int, hidden: int, itemsize: int) -> int:
+    """Tokens per chunk without a memory budget (module docstring)."""
+    target = max(tokens * hidden * itemsize, TARGET_CHUNK_BYTES)
+    rows = max(MIN_CHUNK_ROWS, _floor_pow2(max(1, target // (vocab * itemsize))))
     return max(1, min(rows, tokens))
 
 
-def budget_chunk_rows(budget: int | float | str, tokens: int, vocab: int, hidden: int,
-                      itemsize: int) -> int:
-    """Tokens per chunk under a memory budget (``fxopt.planning.budget``): bytes keep the chunk's
-    temporaries within ``1 / BUDGET_SHARE`` of the budget (at least ``MIN_CHUNK_ROWS``, at most
-    the default); ``"min"`` and a fraction of the activations take the default
-    (``auto_chunk_rows``). Not the smallest chunks for ``"min"``: the temporaries live only while
-    the loss runs in the forward, which was not where a least-memory plan peaked in our
-    measurements (Llama, vocab 32,000: the same whole-step peak with 16 and 64 tokens per
-    chunk), while each chunk reads the head's whole weight three times (16 tokens per chunk:
-    about 20% more step time on CPU)."""
-    kind, value = parse_budget(budget)
-    default = auto_chunk_rows(tokens, vocab, hidden, itemsize)
-    if kind == "bytes":
-        fitting = auto_chunk_rows(tokens, vocab, hidden, itemsize,
-                                  chunk_budget_bytes=int(value) // BUDGET_SHARE)
-        return max(min(MIN_CHUNK_ROWS, tokens), min(fitting, default))
-    return default
+def widest_chunk_rows(rows: int, tokens: int, fits: Callable[[int], bool]) -> int:
+    """The widest chunk, a power of two from ``rows`` up to ``FAST_CHUNK_ROWS`` (and no more than
+    ``tokens``), for which ``fits(rows)`` holds; ``rows`` itself when no wider one does. The peak
+    grows with the chunk, so ``fits`` is taken as monotone: the widest is tried first (the common
+    case, one call), then a bisection."""
+    widest = max(rows, min(FAST_CHUNK_ROWS, _ceil_pow2(tokens)))
+    candidates = [r for r in _powers_of_two(rows, widest) if r > rows]
+    if not candidates:
+        return rows
+    if fits(candidates[-1]):
+        return min(candidates[-1], tokens)
+    low, high = -1, len(candidates) - 1  # candidates[high] does not fit
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(candidates[middle]):
+            low = middle
+        else:
+            high = middle
+    return rows if low < 0 else candidates[low]
+
+
+def _ceil_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    out, value = [], _floor_pow2(max(1, low))
+    while value <= high:
+        out.append(value)
+        value *= 2
+    return out
 
 
 def decide(tokens: int, vocab: int, hidden: int, itemsize: int, *,
            chunk_rows: int | str = "auto", force: bool = False,
            budget: int | float | str | None = None) -> ChunkDecision:
     """Whether and how to chunk a loss over ``tokens`` rows of ``vocab`` logits computed from
-    ``hidden``-wide states (``itemsize`` bytes per logit); ``chunk_rows="auto"`` takes them from
-    ``budget`` when one is given."""
+    ``hidden``-wide states (``itemsize`` bytes per logit); ``chunk_rows="auto"`` takes
+    ``MIN_CHUNK_ROWS`` when a ``budget`` is given (module docstring)."""
     if chunk_rows != "auto":
         rows = max(1, min(int(chunk_rows), tokens))
     elif budget is not None:
-        rows = budget_chunk_rows(budget, tokens, vocab, hidden, itemsize)
+        rows = min(MIN_CHUNK_ROWS, tokens)  # widened after planning (widest_chunk_rows)
     else:
         rows = auto_chunk_rows(tokens, vocab, hidden, itemsize)
     removed = LOSS_TENSORS * tokens * vocab * itemsize

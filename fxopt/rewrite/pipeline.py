@@ -67,7 +67,9 @@ def parse_pass_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
 @dataclass
 class Config:
     """What to run. ``passes=None`` means the registry's default passes (with a memory budget,
-    also ``chunked_loss``); the budget goes to ``checkpoint`` and ``chunked_loss``.
+    also ``chunked_loss``); the budget goes to ``checkpoint`` and ``chunked_loss``, and brings in
+    ``loss_chunk_size`` after them when ``chunked_loss`` runs (its chunks are sized after the
+    plan).
     ``fused_optimizer``: the user's optimizer step fused into backward (``fxopt.fuse_optimizer``),
     handed to every pass that takes a ``fused_optimizer`` option (not recorded in its options).
     ``shard_blocks``: the module will be sharded with FSDP2 per block, handed likewise to every
@@ -129,6 +131,12 @@ class Config:
         if (self.memory_budget is not None and self.passes is None and chunked is not None
                 and chunked.name not in names):
             resolved.append((chunked, {}))
+            resolved.sort(key=lambda item: order.index(item[0].name))
+        widen = registry.lookup("loss_chunk_size")  # chunks sized after the plan
+        if (self.memory_budget is not None and widen is not None
+                and "chunked_loss" in [s.name for s, _ in resolved]
+                and widen.name not in [s.name for s, _ in resolved]):
+            resolved.append((widen, {}))
             resolved.sort(key=lambda item: order.index(item[0].name))
         if self.memory_budget is not None:
             for spec, options in resolved:

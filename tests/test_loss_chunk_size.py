@@ -1,0 +1,125 @@
+"""passes/loss_chunk_size.py and planning/loss_chunks.widest_chunk_rows: the chunked loss's chunks
+widened after the plan, never above the predicted (and measured) peak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxopt
+from fxopt.capture.chain import capture
+from fxopt.core import meta_keys
+from fxopt.measure.peaks import measure_train_step
+from fxopt.planning.loss_chunks import FAST_CHUNK_ROWS, MIN_CHUNK_ROWS, widest_chunk_rows
+from fxopt.runtime.chunked_loss import chunked_loss as chunked_loss_call
+from passes.chunked_loss import chunked_loss
+from passes.loss_chunk_size import loss_chunk_size, tunable_calls
+from helpers import seeded
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.sampled_from([1, 3, 16, 32]), tokens=st.integers(1, 2000),
+       limit=st.integers(0, 600))
+def test_widest_chunk_is_the_widest_power_of_two_that_fits(rows, tokens, limit):
+    asked = []
+
+    def fits(candidate: int) -> bool:
+        asked.append(candidate)
+        return candidate <= limit
+
+    got = widest_chunk_rows(rows, tokens, fits)
+    fitting = [r for r in (2 ** k for k in range(12)) if rows < r <= limit
+               and r <= FAST_CHUNK_ROWS and r < 2 * tokens]
+    assert got == (min(max(fitting), tokens) if fitting else rows)
+    assert len(asked) <= 4  # the widest first, then a bisection of at most 4 sizes
+
+
+def _ids(vocab: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return ids, ids.clone()
+
+
+class HeadOnly(nn.Module):
+    """Nothing but the head: the loss's forward is the training step's peak."""
+
+    def __init__(self, vocab: int = 4096, hidden: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.emb(ids))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+
+class WideBody(HeadOnly):
+    """A wide MLP before the head: its gradient in backward is the peak, the loss is not."""
+
+    def __init__(self, vocab: int = 1024, hidden: int = 8, wide: int = 8192):
+        super().__init__(vocab, hidden)
+        self.up, self.down = nn.Linear(hidden, wide), nn.Linear(wide, hidden)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.down(torch.relu(self.up(self.emb(ids)))))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+
+def _chunked(model: nn.Module, inputs: tuple) -> torch.fx.GraphModule:
+    gm = capture(model, inputs)
+    assert chunked_loss(gm, budget="min", force=True).modified
+    return gm
+
+
+def _rows(gm: torch.fx.GraphModule) -> int:
+    (_, node), = tunable_calls(gm)
+    return node.kwargs["chunk_rows"]
+
+
+@pytest.mark.parametrize("build, inputs, widened", [
+    (HeadOnly, _ids(4096, 2, 256), MIN_CHUNK_ROWS),      # any wider chunk raises the peak
+    (WideBody, _ids(1024, 2, 128), FAST_CHUNK_ROWS),     # the chunk is free up to the cap
+])
+def test_chunks_widen_only_where_the_peak_does_not_rise(build, inputs, widened):
+    model = seeded(build)
+    narrow, wide = _chunked(model, inputs), _chunked(model, inputs)
+    assert _rows(narrow) == MIN_CHUNK_ROWS
+    result = loss_chunk_size(wide)
+    assert _rows(wide) == widened and result.modified == (widened != MIN_CHUNK_ROWS)
+    call, = result.stats["calls"]
+    assert (call.chunk_rows_before, call.chunk_rows, call.tokens) == (MIN_CHUNK_ROWS, widened,
+                                                                      inputs[0].numel())
+    measured_narrow = measure_train_step(narrow, inputs).peak_bytes
+    measured_wide = measure_train_step(wide, inputs).peak_bytes
+    assert measured_wide <= measured_narrow
+    assert measured_wide == result.stats["predicted_peak"]  # exact on CPU
+    loss = wide(*inputs)
+    torch.testing.assert_close(loss, model(*inputs))
+
+
+def test_a_chunk_size_the_user_gave_is_kept():
+    model, inputs = seeded(WideBody), _ids(1024, 2, 128)
+    gm = capture(model, inputs)
+    chunked_loss(gm, chunk_rows=24, force=True)
+    call = next(n for n in gm.graph.nodes if n.target is chunked_loss_call)
+    assert call.meta[meta_keys.CHUNK_ROWS] == "given"
+    result = loss_chunk_size(gm)
+    assert not result.modified and call.kwargs["chunk_rows"] == 24
+
+
+def test_optimize_under_a_budget_sizes_the_chunks_after_the_plan():
+    model, inputs = seeded(WideBody, 4096, 8, 2048), _ids(4096, 2, 128)
+    gm = fxopt.optimize(model, inputs, memory_budget="min",
+                        passes=[("chunked_loss", {"outputs": "loss"}), "reorder"])
+    records = {r.name: r for r in gm.fxopt_report.passes}
+    assert list(records) == ["chunked_loss", "checkpoint", "loss_chunk_size", "reorder"]
+    site, = records["chunked_loss"].stats["sites"]
+    call, = records["loss_chunk_size"].stats["calls"]
+    assert site["chunk_rows"] == MIN_CHUNK_ROWS == call.chunk_rows_before
+    assert call.chunk_rows > MIN_CHUNK_ROWS
+    planned = records["checkpoint"].stats["predicted_after"]
+    assert records["loss_chunk_size"].stats["predicted_peak"] <= planned
+    assert gm.fxopt_report.verification.ok
