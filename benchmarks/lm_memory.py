@@ -44,11 +44,8 @@ Every fxopt arm is verified by ``optimize`` (loss, every gradient, the outputs).
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -56,7 +53,7 @@ from torch import nn
 import passes
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.api import optimize
-from fxopt.bench.environment import TeeOutput, code_commit, device_name
+from fxopt.bench.environment import TeeOutput, device_name, header
 from fxopt.core.tensors import storage_bytes, tensors_in
 from fxopt.measure.peaks import measure_train_step
 from fxopt.runtime.fuse import fuse_optimizer
@@ -246,10 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     out = TeeOutput(args.out)
     import transformers
 
-    out(f"# benchmarks/lm_memory.py -- {datetime.date.today()}; device: {device_name('cpu')}; "
-        f"torch {torch.__version__}; transformers {transformers.__version__}; code "
-        f"{code_commit(Path(__file__).resolve().parents[1])}")
-    out(f"# command: {' '.join(sys.argv)}")
+    for line in header(__file__, device_name("cpu"), f"transformers {transformers.__version__}"):
+        out(line)
     for model_name in args.models.split(","):
         started = time.perf_counter()
         run_model(model_name, args, out)

@@ -14,16 +14,13 @@ arm's time over plain's in the same round, with the min-max over rounds.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from fxopt.bench.environment import TeeOutput, code_commit, device_name
+from fxopt.bench.environment import TeeOutput, device_name, header
 from fxopt.runtime.chunked_loss import chunked_loss
 
 
@@ -76,10 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     args.rows = [int(r) for r in args.rows.split(",") if r]
     torch.set_num_threads(args.threads)
     out = TeeOutput(args.out)
-    out(f"# benchmarks/loss_chunk_time.py -- {datetime.date.today()}; device: "
-        f"{device_name('cpu')}, {args.threads} thread(s); torch {torch.__version__}; code "
-        f"{code_commit(Path(__file__).resolve().parents[1])}")
-    out(f"# command: {' '.join(sys.argv)}")
+    for line in header(__file__, device_name("cpu")):
+        out(line)
     for vocab in (int(v) for v in args.vocabs.split(",") if v):
         run_vocab(vocab, args, out)
 

@@ -3,8 +3,10 @@ commit of the code, and a printer that also keeps the ``--out`` file."""
 
 from __future__ import annotations
 
+import datetime
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -53,3 +55,13 @@ class TeeOutput:
         if self.file:
             self.file.write(line + "\n")
             self.file.flush()
+
+
+def header(script: str | Path, device: str, *details: str) -> list[str]:
+    """A results file's first lines: the script, the date, the device, torch's version and
+    ``details`` (other libraries' versions), the code's commit, then the command as run."""
+    script = Path(script).resolve()
+    about = "; ".join((f"device: {device}", f"torch {torch.__version__}", *details,
+                       f"code {code_commit(script.parents[1])}"))
+    return [f"# benchmarks/{script.name} -- {datetime.date.today()}; {about}",
+            f"# command: python benchmarks/{script.name} {' '.join(sys.argv[1:])}".rstrip()]
