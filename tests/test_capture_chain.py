@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 
 import fxopt
 import fxopt.export
@@ -20,7 +20,6 @@ import fxopt.runtime.regions
 from fxopt.capture.chain import capture
 from fxopt.capture.trace import TraceInfo, trace
 from fxopt.core.errors import ConfigError, TraceError
-from fxopt.rewrite.blocks import inline_blocks
 
 VOCAB, WIDTH, HEADS, LENGTH = 53, 32, 4, 16
 
@@ -219,6 +218,21 @@ class SmallResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(self.layer1(self.stem(x))), 1))
 
 
+def _inlined(gm: fx.GraphModule, prefix: str = "") -> list[tuple[str, object]]:
+    """(op, target) of each node ``gm``'s graph runs, a call of a block replaced by the nodes of
+    the block's graph, targets named from the root: the graph before fxopt kept the blocks."""
+    nodes = []
+    for node in gm.graph.nodes:
+        called = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(called, fx.GraphModule):
+            nodes += [(op, target) for op, target in _inlined(called, f"{prefix}{node.target}.")
+                      if op not in ("placeholder", "output")]
+        else:
+            named = node.op in ("call_module", "get_attr")
+            nodes.append((node.op, f"{prefix}{node.target}" if named else node.target))
+    return nodes
+
+
 def test_auto_keeps_the_module_level_graph_of_a_fully_traceable_cnn():
     torch.manual_seed(0)
     model, x = SmallResNet(), torch.randn(2, 3, 16, 16)
@@ -229,7 +243,7 @@ def test_auto_keeps_the_module_level_graph_of_a_fully_traceable_cnn():
     expected = [(n.op, n.target) for n in trace(model, (x,)).graph.nodes]
     # the residual blocks are calls of their own; inlined, the graph is the trace's
     assert fxopt.blocks(gm) == ["layer1.0", "layer1.1"]
-    assert [(n.op, n.target) for n in inline_blocks(gm).graph.nodes] == expected
+    assert _inlined(gm) == expected
     assert ("call_module", "layer1.0.conv1") in expected
     assert "captured by fx (symbolic tracing)" in str(gm.fxopt_report)
 
@@ -273,12 +287,13 @@ def test_an_export_captured_checkpointed_gpt_exports_as_a_folder_that_guards_its
     """fxopt.export writes the guard as code that raises without fxopt installed."""
     model, idx = gpt
     gm = fxopt.optimize(model, (idx,), memory_budget=0.7)
-    flat = inline_blocks(gm)  # the module the folder writes: the blocks' code inlined
-    regions = [n for n in flat.graph.nodes if n.target is fxopt.runtime.regions.call_region]
-    assert regions, flat.code
-    guard = next(n for n in flat.graph.nodes
-                 if n.target is fxopt.runtime.input_guard.guard_inputs)
-    assert list(flat.graph.nodes).index(guard) < list(flat.graph.nodes).index(regions[0])
+    graphs = [gm.graph, *(gm.get_submodule(path).graph for path in fxopt.blocks(gm))]
+    assert any(n.target is fxopt.runtime.regions.call_region for g in graphs for n in g.nodes)
+    nodes = list(gm.graph.nodes)  # the guard runs before the first region or block
+    guard = next(n for n in nodes if n.target is fxopt.runtime.input_guard.guard_inputs)
+    first = next(n for n in nodes if n.target is fxopt.runtime.regions.call_region
+                 or n.op == "call_module")
+    assert nodes.index(guard) < nodes.index(first)
 
     result = fxopt.export.export(gm, tmp_path / "folder", example_inputs=(idx,))
     assert result.verification.ok and result.needs == []

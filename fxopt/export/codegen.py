@@ -6,14 +6,19 @@ to it and the outside modules it imports. The module holds:
 
 - a header of small helpers (loading a runtime copy by path, making a module without running
   its ``__init__``, a zero parameter);
-- one class per checkpointed region body, code only: its ``forward`` is torch.fx's own code
+- one class per block the graph calls (``fxopt.export.blocks``), code only: its ``forward`` is
+  torch.fx's code generation of the block's graph (with ``EVAL_METHOD`` for its eval-mode graph
+  when it has one); blocks with the same code share the class;
+- one class per distinct checkpointed region body, code only: its ``forward`` is torch.fx's own code
   generation of the body graph, run by the region with the state the call site passes as
-  ``self`` (``fxopt.runtime.regions``);
-- the model class: ``__init__`` rebuilds the module tree (``fxopt.export.module_tree``), attaches the
-  constants, the input guard of an export-captured module (``InputGuard`` from the copied
-  ``fxopt.runtime.input_guard``, raising the copied ``fxopt.runtime.errors.InputError``) and the
-  regions (``CheckpointedRegion`` from the copied ``fxopt.runtime.regions``), and
-  ``forward`` is torch.fx's code generation of the root graph;
+  ``self`` (``fxopt.runtime.regions``), and one per distinct scoped graph body (torch.export's);
+- the model class: ``__init__`` rebuilds the module tree (``fxopt.export.module_tree``), the
+  blocks as instances of their classes, and attaches to the root and to each block what its
+  graphs read besides parameters, buffers and submodules: the constants, the input guard of an
+  export-captured module (``InputGuard`` from the copied ``fxopt.runtime.input_guard``, raising
+  the copied ``fxopt.runtime.errors.InputError``), the scoped graph bodies and the regions
+  (``CheckpointedRegion`` from the copied ``fxopt.runtime.regions``); ``forward`` is torch.fx's
+  code generation of the root graph, which calls the blocks as submodules;
 - ``load(map_location)``: the class with ``state_dict.pt`` loaded (``weights_only=True``).
 
 The module imports public torch modules only, and refuses to import (``ImportError`` saying what
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import keyword
 import operator
 from dataclasses import dataclass, field
@@ -37,6 +43,13 @@ from torch import fx, nn
 
 from fxopt.capture.train_eval import dispatch_to_method, eval_graph
 from fxopt.core.errors import ExportError
+from fxopt.export.blocks import (
+    graph_modules,
+    graphs_of,
+    input_names,
+    renamed,
+    shared_input_names,
+)
 from fxopt.export.module_tree import TreeWriter, called_modules
 from fxopt.export.names import Imports
 from fxopt.runtime.input_guard import InputGuard
@@ -131,30 +144,56 @@ def python_identifier(name: str) -> str:
     return f"Exported{cleaned}" if clashes else cleaned
 
 
-def _attach_constants(gm: fx.GraphModule, graphs: list[fx.Graph], tree: TreeWriter,
-                      regions: dict) -> None:
-    """Tensors the graphs read that are no parameter or buffer (tracer constants)."""
+def _attach(path: str, gm: fx.GraphModule, tree: TreeWriter, classes: _Classes) -> int:
+    """Emit what ``gm``'s graphs read that is no parameter, buffer or submodule, on the module
+    at ``path`` of the exported tree (the root or a block): tracer constants, the input guard of
+    an export-captured module, the bodies of torch.export's scoped calls and checkpointed regions.
+    Returns the number of regions."""
+    attributes = _attributes(gm)
+    regions = {t: v for t, v in attributes.items() if isinstance(v, CheckpointedRegion)}
     known = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
-    attached: set[str] = set()
-    for node in (n for graph in graphs for n in graph.nodes):
-        if node.op != "get_attr" or node.target in regions or node.target in attached:
+    for target, value in attributes.items():
+        if isinstance(value, (nn.Module, CheckpointedRegion)) or id(value) in known:
             continue
-        attached.add(node.target)
-        value = operator.attrgetter(node.target)(gm)
-        if isinstance(value, nn.Module) or id(value) in known:
-            continue
-        owner, _, name = node.target.rpartition(".")
-        owner_expr = f"self.get_submodule({owner!r})" if owner else "self"
         if isinstance(value, InputGuard):
-            tree.lines.append(f"object.__setattr__({owner_expr}, {name!r}, "
-                              f"{_guard_source(value, tree.imports, node.target)})")
-            continue
-        if not isinstance(value, torch.Tensor):
-            raise ExportError(f"cannot export: the graph reads {node.target!r}, a "
-                              f"{type(value).__name__}", where=f"node {node.name}",
+            code = _guard_source(value, tree.imports, target)
+        elif isinstance(value, torch.Tensor):
+            code = tree.constant(value, _full(path, target))
+        else:
+            raise ExportError(f"cannot export: the graph reads {target!r}, a "
+                              f"{type(value).__name__}", where=f"attribute {_full(path, target)}",
                               hint="only tensors, parameters, buffers and modules can be exported")
-        tree.lines.append(f"object.__setattr__({owner_expr}, {name!r}, "
-                          f"{tree.constant(value, node.target)})")
+        tree.lines.append(_setattr(path, target, code))
+    for target, graph_body in _graph_bodies(gm, attributes).items():
+        body = classes.add("_GraphBody", "A graph called in a scope (torch.export's scoped "
+                           "calls).", _methods(graph_body.graph, None, tree.imports,
+                                               f"body {_full(path, target)}"))
+        tree.lines.append(_setattr(path, target, f"{body}()"))
+    for target, region in regions.items():
+        where = f"region {_full(path, target)}"
+        body = classes.add("_RegionBody", "The body of a checkpointed region: code run over the "
+                           "state its call site passes.", _methods(region.body.graph, None,
+                                                                   tree.imports, where))
+        if region.targets is None:
+            raise ExportError(f"cannot export {where}: it holds its own state (an optimized "
+                              "module saved by fxopt 0.1)", where=where,
+                              hint="optimize the model again with this fxopt, then export it")
+        tree.lines.append(_setattr(path, target, (
+            f"{tree.imports.reference(type(region), where)}({body}(), "
+            f"selective={bool(region.selective)!r}, targets={region.targets!r})")))
+    return len(regions)
+
+
+def _full(path: str, target: str) -> str:
+    return f"{path}.{target}" if path else target
+
+
+def _setattr(path: str, target: str, code: str) -> str:
+    """The line of ``__init__`` that sets the plain attribute ``target`` of the module at
+    ``path`` to ``code``'s value."""
+    owner, _, name = _full(path, target).rpartition(".")
+    owner_expr = f"self.get_submodule({owner!r})" if owner else "self"
+    return f"object.__setattr__({owner_expr}, {name!r}, {code})"
 
 
 def _guard_source(guard: InputGuard, imports: Imports, where: str) -> str:
@@ -205,10 +244,70 @@ def _constructor_arguments(obj: Any, literal: Any, where: str) -> list[str]:
     return arguments
 
 
-def _code_class(name: str, doc: str, graph: fx.Graph, what: str, imports: Imports) -> str:
-    """A module class that holds no state: its ``forward`` is ``graph``'s generated code."""
-    return (f"class {name}(torch.nn.Module):\n    \"\"\"{doc}\"\"\"\n\n"
-            f"{imports.forward_source(graph, what)}\n")
+class _Classes:
+    """The code-only classes of the generated module, one per distinct code: blocks (or bodies)
+    that compute the same share one. Each is named after what it is, made unique."""
+
+    def __init__(self, taken: set[str]):
+        self.sources: list[str] = []
+        self._taken = set(taken)
+        self._by_code: dict[str, str] = {}
+
+    def add(self, name: str, doc: str, methods: str) -> str:
+        """The class whose methods are ``methods`` (indented for a class), written if new."""
+        if methods not in self._by_code:
+            numbered = (f"{name}_{i}" for i in itertools.count(1))
+            unique = next(n for n in itertools.chain([name], numbered) if n not in self._taken)
+            self._taken.add(unique)
+            self._by_code[methods] = unique
+            self.sources.append(f'class {unique}(torch.nn.Module):\n    """{doc}"""\n\n'
+                                f"{methods}\n")
+        return self._by_code[methods]
+
+
+def _methods(graph: fx.Graph, in_eval: fx.Graph | None, imports: Imports, where: str) -> str:
+    """``forward`` from ``graph``'s generated code; with ``in_eval`` (the eval-mode graph of a
+    module whose forward depends on ``self.training``) also ``EVAL_METHOD`` from its code, which
+    ``forward`` returns when the module is not in training mode."""
+    if in_eval is None:
+        return imports.forward_source(graph, where)
+    return "\n\n".join([
+        imports.forward_source(dispatch_to_method(graph, EVAL_METHOD), where),
+        imports.forward_source(in_eval, f"{where} (eval mode)", name=EVAL_METHOD)])
+
+
+def _block_classes(blocks: list[tuple[str, fx.GraphModule]], classes: _Classes,
+                   imports: Imports) -> dict[int, str]:
+    """id of each block -> the class written for it (``fxopt.export.blocks``): blocks whose code
+    is the same once their inputs are named by position share one, which names each input as
+    all of them do where they agree."""
+    groups: dict[str, list[tuple[str, fx.GraphModule]]] = {}
+    for path, block in blocks:
+        positional = [f"input_{i}" for i in range(len(input_names(block.graph)))]
+        groups.setdefault(_block_methods(path, block, positional, imports), []).append(
+            (path, block))
+    names: dict[int, str] = {}
+    for members in groups.values():
+        path, block = members[0]
+        inputs = shared_input_names([b.graph for _, b in members])
+        paths = ", ".join(p for p, _ in members[:3]) + (", ..." if len(members) > 3 else "")
+        name = classes.add(python_identifier(type(block).__name__),
+                           f"The code of block{'s' if len(members) > 1 else ''} {paths}; the "
+                           "model's __init__ gives each its parameters, buffers and submodules.",
+                           _block_methods(path, block, inputs, imports))
+        names.update((id(b), name) for _, b in members)
+    return names
+
+
+def _block_methods(path: str, block: fx.GraphModule, inputs: list[str], imports: Imports) -> str:
+    graphs = [renamed(graph, path, inputs) for graph in graphs_of(block)]
+    return _methods(graphs[0], graphs[1] if len(graphs) > 1 else None, imports, f"block {path}")
+
+
+def _attributes(gm: fx.GraphModule) -> dict[str, Any]:
+    """target -> value of every attribute ``gm``'s graphs read."""
+    return {n.target: operator.attrgetter(n.target)(gm) for graph in graphs_of(gm)
+            for n in graph.find_nodes(op="get_attr")}
 
 
 def _graph_bodies(gm: fx.GraphModule, attributes: dict[str, Any]) -> dict[str, fx.GraphModule]:
@@ -227,39 +326,17 @@ def _graph_bodies(gm: fx.GraphModule, attributes: dict[str, Any]) -> dict[str, f
 def generate(gm: fx.GraphModule, class_name: str) -> Generated:
     """The source of ``model.py`` for ``gm`` and what it needs (see the module docstring)."""
     imports = Imports()
-    in_eval = eval_graph(gm)
-    graphs = [gm.graph, *([in_eval] if in_eval is not None else [])]
-    attributes = {n.target: operator.attrgetter(n.target)(gm) for graph in graphs
-                  for n in graph.find_nodes(op="get_attr")}
-    regions = {t: v for t, v in attributes.items() if isinstance(v, CheckpointedRegion)}
-    tree = TreeWriter(imports, called_modules(gm, [*graphs, *(r.body.graph
-                                                              for r in regions.values())]))
+    classes = _Classes({class_name})
+    modules = graph_modules(gm)
+    called: set[int] = set()
+    for _, module in modules:  # a region's body reads the state by its path from the root
+        bodies = [v.body.graph for v in _attributes(module).values()
+                  if isinstance(v, CheckpointedRegion)]
+        called |= called_modules(module, graphs_of(module)) | called_modules(gm, bodies)
+    tree = TreeWriter(imports, called, _block_classes(modules[1:], classes, imports))
     tree.module(gm)
-    _attach_constants(gm, graphs, tree, regions)
-    classes = []
-    for index, (attr, graph_body) in enumerate(_graph_bodies(gm, attributes).items()):
-        body = f"_GraphBody{index}"
-        classes.append(_code_class(body, f"The graph {attr} calls in a scope.", graph_body.graph,
-                                   f"body {attr}", imports))
-        tree.lines.append(f"object.__setattr__(self, {attr!r}, {body}())")
-    for index, (attr, region) in enumerate(regions.items()):
-        body = f"_RegionBody{index}"
-        classes.append(_code_class(
-            body, f"The body of checkpointed region {attr}: code run over the state its call "
-            "site passes.", region.body.graph, f"region {attr}", imports))
-        runtime_class = imports.reference(type(region), f"region {attr}")
-        if region.targets is None:
-            raise ExportError(f"cannot export region {attr}: it holds its own state (an "
-                              "optimized module saved by fxopt 0.1)", where=f"region {attr}",
-                              hint="optimize the model again with this fxopt, then export it")
-        tree.lines.append(f"object.__setattr__(self, {attr!r}, {runtime_class}({body}(), "
-                          f"selective={bool(region.selective)!r}, targets={region.targets!r}))")
-    if in_eval is None:
-        forward = imports.forward_source(gm.graph, "forward")
-    else:
-        forward = "\n\n".join([
-            imports.forward_source(dispatch_to_method(gm.graph, EVAL_METHOD), "forward"),
-            imports.forward_source(in_eval, "eval-mode forward", name=EVAL_METHOD)])
+    regions = sum(_attach(path, module, tree, classes) for path, module in modules)
+    forward = _methods(gm.graph, eval_graph(gm), imports, "forward")
     init = ["    def __init__(self):", "        super().__init__()"]
     if tree.constants:
         init.append("        _constants = torch.load(_HERE / 'constants.pt', weights_only=True)")
@@ -271,7 +348,7 @@ def generate(gm: fx.GraphModule, class_name: str) -> Generated:
         HEADER, TORCH_CHECK.format(version=str(torch.__version__), allow=ALLOW_OTHER_TORCH),
         *imports.lines,
         *(f"{name} = {expr}" for name, expr in imports.fx_globals.items()), "",
-        f"__all__ = [{class_name!r}, 'load']", "", "", *classes,
+        f"__all__ = [{class_name!r}, 'load']", "", "", *classes.sources,
         f"class {class_name}(torch.nn.Module):",
         f'    """{class_name} as optimized by fxopt; weights: load() or load_state_dict()."""\n',
         *init, "", forward, "", "",
@@ -283,4 +360,4 @@ def generate(gm: fx.GraphModule, class_name: str) -> Generated:
         "    model.load_state_dict(state)",
         "    return model.to(map_location)", ""])
     return Generated(source, class_name, dict(tree.constants), dict(imports.runtime_files),
-                     list(imports.needs), len(regions))
+                     list(imports.needs), regions)

@@ -6,16 +6,20 @@ module used at two places stay shared. Parameters and buffers start as zeros: th
 from ``load_state_dict``. Non-persistent buffers (a rotary embedding's ``inv_freq``), which
 ``state_dict()`` leaves out, start with their values at export time, from ``constants.pt``.
 
-A module the graph calls (and everything below it) is rebuilt as an instance of its own class the
-way ``pickle`` and ``copy`` make one -- ``cls.__new__``, then ``nn.Module.__init__``, then its
-attributes -- but written as code: plain values (numbers, strings, tuples, dtypes, devices) as
-literals, functions and classes as imports, references to the module's parameters and buffers as
-such, other tensors through ``constants.pt``. torch's RNNs get their weight cache rebuilt by their
-own ``_init_flat_weights()``. Every other module is only a namespace (torch.fx inlined its forward
-when tracing) and becomes a plain ``torch.nn.Module``.
+A graph module the export writes as a class of its own (a block the root graph calls,
+``fxopt.export.blocks``) is an instance of that class, holding its own parameters, buffers and
+children. Any other module the graphs call (and everything below it) is rebuilt as an instance
+of its own class the way ``pickle`` and ``copy`` make one -- ``cls.__new__``, then
+``nn.Module.__init__``, then its attributes -- but written as code: plain values (numbers,
+strings, tuples, dtypes, devices) as literals, functions and classes as imports, references to
+the module's parameters and buffers as such, other tensors through ``constants.pt``. torch's RNNs
+get their weight cache rebuilt by their own ``_init_flat_weights()``. Every other module is only
+a namespace (torch.fx inlined its forward when tracing) and becomes a plain ``torch.nn.Module``,
+but for torch's containers (``ModuleList``, ``Sequential``, ``ModuleDict``), which stay what they
+were, so ``model.layers[3]`` indexes the exported module as it does the original.
 
-Not handled (``ExportError`` names the module and the attribute): hooks on a called module,
-modules or other objects held as plain attributes, lazy or non-dense parameters.
+Not handled (``ExportError`` names the module and the attribute): hooks on a called module or
+a block, modules or other objects held as plain attributes, lazy or non-dense parameters.
 """
 
 from __future__ import annotations
@@ -45,15 +49,18 @@ from fxopt.core.torch_private import (
 from fxopt.export.names import Imports
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)  # hold children and nothing else
 
 
 def called_modules(gm: fx.GraphModule, graphs: list[fx.Graph]) -> set[int]:
-    """ids of the modules the graphs call, and of everything below them."""
+    """ids of the modules the graphs (run on ``gm``) call, and of everything below them; not
+    of graph modules, written as classes of their own: their graphs say what they call."""
     called: set[int] = set()
     for graph in graphs:
-        for node in graph.nodes:
-            if node.op == "call_module":
-                called.update(id(m) for m in gm.get_submodule(node.target).modules())
+        for node in graph.find_nodes(op="call_module"):
+            module = gm.get_submodule(node.target)
+            if not isinstance(module, fx.GraphModule):
+                called.update(id(m) for m in module.modules())
     return called
 
 
@@ -96,9 +103,10 @@ def literal(value: Any, imports: Imports, where: str, known: dict[int, str],
 class TreeWriter:
     """Emits the lines of ``__init__`` that rebuild a module tree under ``self``."""
 
-    def __init__(self, imports: Imports, called: set[int]):
+    def __init__(self, imports: Imports, called: set[int], classes: dict[int, str]):
         self.imports = imports
         self.called = called
+        self.classes = classes            # id of a graph module -> the class written for it
         self.lines: list[str] = []
         self.constants: dict[str, torch.Tensor] = {}
         self.names: dict[int, str] = {}   # id of a module or tensor -> its variable
@@ -113,10 +121,14 @@ class TreeWriter:
         """Emit ``module`` (as ``var``) with its parameters, buffers and children."""
         where = f"module {path or '<root>'} ({type(module).__name__})"
         rebuilt = var != "self" and id(module) in self.called
-        if rebuilt:
+        if var != "self" and id(module) in self.classes:
+            _refuse_hooks(module, where)
+            self.lines.append(f"{var} = {self.classes[id(module)]}()")
+        elif rebuilt:
             self.lines.append(f"{var} = _new({self.imports.reference(type(module), where)})")
         elif var != "self":
-            self.lines.append(f"{var} = torch.nn.Module()")
+            namespace = type(module) if type(module) in _CONTAINERS else nn.Module
+            self.lines.append(f"{var} = torch.nn.{namespace.__name__}()")
         self.names[id(module)] = var
         self.lines.append(f"{var}.training = {module.training!r}")
         own: dict[int, str] = {}
@@ -169,12 +181,7 @@ class TreeWriter:
 
     def _attributes(self, module: nn.Module, path: str, var: str, where: str,
                     own: dict[int, str]) -> None:
-        hooks = [name for name in HOOK_DICTS if getattr(module, name, None)]
-        if hooks:
-            raise ExportError(f"cannot export: {where} has hooks ({', '.join(hooks)})",
-                              where=where,
-                              hint="remove the hooks (e.g. torch.nn.utils.remove_weight_norm) "
-                                   "before optimizing, or use the optimized module from Python")
+        _refuse_hooks(module, where)
         rnn = keeps_rnn_weight_cache(module)
         skipped = _MODULE_INTERNALS | (RNN_WEIGHT_CACHES if rnn else frozenset())
         known = {**self.names, **own}
@@ -195,3 +202,12 @@ class TreeWriter:
             self.lines.append(f"{var}.__dict__.update({{{', '.join(items)}}})")
         if rnn:
             self.lines.append(f"{var}.{RNN_WEIGHT_REBUILD}()")
+
+
+def _refuse_hooks(module: nn.Module, where: str) -> None:
+    """An ``ExportError`` when ``module`` has hooks, which the generated code would not run."""
+    hooks = [name for name in HOOK_DICTS if getattr(module, name, None)]
+    if hooks:
+        raise ExportError(f"cannot export: {where} has hooks ({', '.join(hooks)})", where=where,
+                          hint="remove the hooks (e.g. torch.nn.utils.remove_weight_norm) "
+                               "before optimizing, or use the optimized module from Python")

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
 from torch import fx, nn
 
 from fxopt.analysis.blocks import node_blocks
@@ -48,8 +46,6 @@ from fxopt.core.modules import (
     own_children,
     own_tensors,
     replace_child,
-    share_tree,
-    structural_copy,
 )
 from fxopt.rewrite.pass_base import PassResult
 from fxopt.runtime.regions import CheckpointedRegion
@@ -275,76 +271,3 @@ def _drop_unused_root_attributes(gm: fx.GraphModule, eval_g: fx.Graph | None) ->
     for name, value in list(vars(gm).items()):
         if name not in read and isinstance(value, (CheckpointedRegion, fx.GraphModule)):
             delattr(gm, name)
-
-
-def inline_blocks(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose graphs compute the blocks' nodes in place of calling them: the
-    one-level module ``fxopt.export`` writes as plain PyTorch. Parameters and buffers are
-    ``gm``'s own objects under the same names; the blocks become plain modules holding their
-    submodules, and what a block held as plain attributes (its regions, bodies, constants) the
-    root holds under ``<block path>_<name>``. ``gm`` is left as it is."""
-    paths = [p for p in blocks(gm) if isinstance(gm.get_submodule(p), fx.GraphModule)]
-    if not paths:
-        return gm
-    flat = structural_copy(gm)
-    eval_g = eval_graph(flat)
-    if eval_g is not None:
-        eval_g = _copied(eval_g)
-    for path in paths:
-        block = flat.get_submodule(path)
-        carried = {}
-        for name, value in vars(block).items():
-            if isinstance(value, (CheckpointedRegion, fx.GraphModule, torch.Tensor)):
-                carried[name] = f"{path.replace('.', '_')}_{name}"
-                object.__setattr__(flat, carried[name], value)
-        _inline_calls(flat.graph, path, block.graph, carried)
-        block_eval = eval_graph(block)
-        if eval_g is not None:
-            _inline_calls(eval_g, path, block_eval if block_eval is not None else block.graph,
-                          carried)
-        shell = nn.Module()
-        share_tree(shell, block)
-        shell.training = block.training
-        parent, _, name = path.rpartition(".")
-        replace_child(flat.get_submodule(parent), name, shell)
-    flat.recompile()
-    if eval_g is not None:
-        replace_eval_graph(flat, eval_g)
-    flat.meta[META_KEY] = BlocksInfo(flat=[(p, "inlined") for p in paths])
-    return flat
-
-
-def _copied(graph: fx.Graph) -> fx.Graph:
-    copied = fx.Graph()
-    copied.output(copied.graph_copy(graph, {}))
-    return copied
-
-
-def _inline_calls(graph: fx.Graph, path: str, body: fx.Graph, carried: dict[str, str]) -> None:
-    """Replace every call of block ``path`` in ``graph`` by a copy of ``body``'s nodes."""
-    for call in [n for n in graph.nodes if n.op == "call_module" and n.target == path]:
-        env: dict[fx.Node, Any] = {}
-        placeholders = [n for n in body.nodes if n.op == "placeholder"]
-        for placeholder, arg in zip(placeholders, call.args, strict=True):
-            env[placeholder] = arg
-        result: Any = None
-        with graph.inserting_before(call):
-            for node in body.nodes:
-                if node.op == "placeholder":
-                    continue
-                if node.op == "output":
-                    result = fx.node.map_arg(node.args[0], lambda n: env[n])
-                    continue
-                copied = graph.node_copy(node, lambda n: env[n])
-                if node.op == "get_attr":
-                    copied.target = carried.get(node.target, f"{path}.{node.target}")
-                elif node.op == "call_module":
-                    copied.target = f"{path}.{node.target}"
-                env[node] = copied
-        if isinstance(result, (tuple, list)):
-            for user in list(call.users):
-                user.replace_all_uses_with(result[user.args[1]])
-                graph.erase_node(user)
-        else:
-            call.replace_all_uses_with(result)
-        graph.erase_node(call)
