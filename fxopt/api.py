@@ -23,6 +23,7 @@ from fxopt.capture.train_eval import refuse_pickling
 from fxopt.core import meta_keys
 from fxopt.core.errors import EquivalenceError
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
+from fxopt.core.modules import structural_copy
 from fxopt.core.pretrained import keep_pretrained_interface
 from fxopt.core.state import preserved_state
 from fxopt.measure.peaks import measure
@@ -116,6 +117,8 @@ def optimize(
         with clock("capture"):
             gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
             measure_leaves(gm, args)  # opaque leaves' memory on a real run, for the report
+            # the module as captured, for blaming a failed verification on capture or passes
+            captured = structural_copy(gm) if verify else None
         report = Report(model=type(model).__name__, trace=gm.meta[meta_keys.TRACE],
                         seconds=clock.seconds)
         with clock("predict"):
@@ -139,8 +142,7 @@ def optimize(
                 raise capture_blamed(
                     error, frontend=report.trace.frontend, not_used=report.trace.not_used,
                     passes_changed=[p.name for p in report.passes if p.modified], model=model,
-                    args=args, recapture=lambda: capture_model(
-                        model, args, capture=capture, leaf_modules=leaf_modules)) from error
+                    args=args, unoptimized=captured) from error
     if measure_memory:
         with clock("measure"):
             report.memory_before = measure(model, args)

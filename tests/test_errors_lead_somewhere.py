@@ -80,7 +80,7 @@ def test_a_failure_the_passes_cause_still_says_to_bisect_them(monkeypatch):
     error = EquivalenceError("the optimized model differs", where="output", hint="bisect")
     same = blame.capture_blamed(error, frontend="fx", not_used=(), passes_changed=["reorder"],
                                 model=model, args=inputs,
-                                recapture=lambda: fxopt.trace(model, inputs))
+                                unoptimized=fxopt.trace(model, inputs))
     assert same is error  # the unoptimized capture verifies: a pass is to blame
 
 

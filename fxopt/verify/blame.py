@@ -6,17 +6,16 @@ can change the function: torch.export follows the code path fake tensors take, s
 picks another path at run time (``nn.TransformerEncoder``'s nested-tensor fast path in eval mode
 with a padding mask) computes something else once captured, and ``passes=[]`` fails the same way.
 ``capture_blamed(error, ...)`` tells the two apart: when no pass changed the graph, or when the
-module captured again and left unoptimized differs too, the error says that capture changed the
+module as captured, before the passes, differs too, the error says that capture changed the
 function, names the frontend, and points at what captures the model faithfully instead, never
 at a frontend that already failed on it.
 
-Cost: one more capture and one more verification, only on the failure path, and only when a
-pass changed the graph.
+Cost: one more verification, only on the failure path, and only when a pass changed the graph
+(``optimize`` keeps a structural copy of the captured module, which costs a graph copy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -44,12 +43,13 @@ def _other_frontend_hint(frontend: str, not_used: dict[str, str]) -> str:
 
 def capture_blamed(error: EquivalenceError, *, frontend: str, not_used: Any,
                    passes_changed: list[str], model: nn.Module, args: tuple,
-                   recapture: Callable[[], nn.Module]) -> EquivalenceError:
+                   unoptimized: nn.Module) -> EquivalenceError:
     """``error`` itself when the passes changed the function; else an ``EquivalenceError``
-    saying that capture by ``frontend`` did (see the module doc)."""
+    saying that capture by ``frontend`` did (see the module doc). ``unoptimized``: the module
+    as captured, before any pass (a structural copy ``optimize`` keeps: the passes' edits of
+    the graph and of the module tree do not reach it)."""
     if passes_changed:
         try:
-            unoptimized = recapture()
             report = verify(model, unoptimized, args)
         except Exception:  # noqa: BLE001 -- cannot tell: the passes' error stands
             return error
