@@ -29,6 +29,7 @@ from fxopt.core.state import preserved_state
 from fxopt.measure.peaks import measure
 from fxopt.measure.report import PhaseClock, Report, predicted_peaks
 from fxopt.rewrite.blocks import keep_blocks
+from fxopt.rewrite.shard_guard import guard_shards
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
 from fxopt.rewrite.registry import PassRegistry
 from fxopt.runtime.fused_step import FusedOptimizers, fused_optimizers
@@ -127,6 +128,7 @@ def optimize(
         with clock("passes"):
             report.passes = run_passes(gm, config, registry)
             keep_blocks(gm)
+            guard_shards(gm)
         with clock("predict"):
             report.predicted_after = (predicted_peaks(gm, fused_optimizer) if predict_memory
                                       else None)

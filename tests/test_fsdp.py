@@ -21,7 +21,8 @@ optimizer step, counted exactly with ``LiveStorageTracker(follow_resizes=True)``
 FSDP2 free and re-gather parameters by resizing storages; steps 1-4, when AdamW's moments
 exist) must be below the plain arm's and no higher than the checkpointed arm's, and the memory
 the module and its optimizer hold between steps no more than the plain arm's
-(``fxopt.bench.sharded``). Models that are already sharded or wrapped are refused.
+(``fxopt.bench.sharded``). Models that are already sharded or wrapped are refused, and so is a
+module sharded where the optimized graph never calls it.
 """
 
 from __future__ import annotations
@@ -146,6 +147,17 @@ def refuses_sharded_models() -> None:
         assert "then shard" in str(caught.value)
 
 
+def refuses_modules_sharded_where_the_graph_never_calls_them() -> None:
+    """A layer inside a block sharded on its own: an fxopt error before the forward runs (not
+    torch's "mixed torch.Tensor and DTensor" half-way through)."""
+    ids = batch(0, 0)
+    optimized = fxopt.optimize(gpt(), (ids,), verify=False, predict_memory=False)
+    fully_shard(optimized.blocks[0].mlp)  # the block's graph calls mlp.0 and mlp.2, never mlp
+    with pytest.raises(fxopt.ConfigError, match="never calls") as caught:
+        optimized(ids)
+    assert caught.value.where == "blocks.0.mlp" and "blocks.0, blocks.1" in caught.value.hint
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -168,6 +180,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             figures[kind] = {arm: {"peak": run["peak"], "resident": run["resident"]}
                              for arm, run in runs.items()}
         refuses_sharded_models()
+        refuses_modules_sharded_where_the_graph_never_calls_them()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(figures))
         dist.barrier()
     finally:

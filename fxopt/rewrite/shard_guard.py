@@ -1,0 +1,104 @@
+"""A module sharded where the optimized graph never calls it: an fxopt error before any compute.
+
+FSDP2's ``fully_shard(module)`` swaps the module's parameters for DTensor shards and gathers them
+in hooks around the module's call. The optimized graph calls the root, its blocks
+(``fxopt.blocks``) and the leaf modules it calls as modules, but reads every other module's
+parameters directly: the layers inside a block, a block fxopt left inlined, and modules outside
+the blocks that some recipes shard on their own (an export-captured model's token embeddings,
+a head the chunked loss reads). Sharded there, the parameters are never gathered, and the forward stops
+half-way with torch's "mixed torch.Tensor and DTensor" error.
+
+``refuse_uncalled_shards`` is a forward pre-hook ``fxopt.optimize`` registers on the module it
+returns (``guard_shards``): it raises ``ConfigError`` naming each such module before the forward
+runs, and says what to shard instead. Without an initialized ``torch.distributed`` process group
+it returns at once; with one, it walks the module tree on each call (and the graphs, once per
+graph). The modules a graph calls are read from the graphs themselves, so a copy, a loaded
+checkpoint or a replaced submodule is judged as it is.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxopt.capture.train_eval import eval_graph
+from fxopt.core.errors import ConfigError
+from fxopt.runtime.regions import CheckpointedRegion
+
+# graph -> (the modules it calls, the modules the regions it calls call): graphs do not change
+# once optimize returns
+_CALLED: weakref.WeakKeyDictionary[fx.Graph, tuple[frozenset[str], frozenset[str]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def guard_shards(gm: fx.GraphModule) -> None:
+    """Register ``refuse_uncalled_shards`` on ``gm`` (once: a module optimized again keeps
+    one)."""
+    if refuse_uncalled_shards not in gm._forward_pre_hooks.values():
+        gm.register_forward_pre_hook(refuse_uncalled_shards)
+
+
+def refuse_uncalled_shards(module: nn.Module, args: Any) -> None:
+    """``ConfigError`` when a module under ``module`` is sharded by FSDP2 but no graph calls it
+    (module docstring)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [path for path, sub in module.named_modules()
+               if path and isinstance(sub, FSDPModule)]
+    if not sharded:
+        return
+    called = called_paths(module)
+    uncalled = [path for path in sharded if path not in called]
+    if uncalled:
+        blocks = sorted(p for p in called if p and isinstance(module.get_submodule(p),
+                                                               fx.GraphModule))
+        raise ConfigError(
+            f"{', '.join(uncalled)} {'is' if len(uncalled) == 1 else 'are'} sharded with "
+            "fully_shard, but the optimized module never calls "
+            f"{'it' if len(uncalled) == 1 else 'them'}: its graph reads those parameters "
+            "directly, so FSDP2 would never gather them", where=uncalled[0],
+            hint="fully_shard only the blocks fxopt.blocks(module) lists "
+                 f"({', '.join(blocks[:3]) + (', ...' if len(blocks) > 3 else '') or 'none'}), "
+                 "then the root; the embeddings and the head are sharded with the root")
+
+
+def called_paths(gm: fx.GraphModule) -> frozenset[str]:
+    """The paths of the modules ``gm``'s graphs call as modules (FSDP2's hooks run around
+    those calls): the root, the blocks, the leaf modules called, in every graph module under
+    ``gm`` (both training modes), and in checkpointed regions' bodies (whose targets are
+    paths from the root)."""
+    called = {""}
+    for path, sub in gm.named_modules():
+        if isinstance(sub, fx.GraphModule):
+            own, from_root = _graph_calls(sub)
+            called |= {f"{path}.{t}" if path else t for t in own} | from_root
+    return frozenset(called)
+
+
+def _graph_calls(gm: fx.GraphModule) -> tuple[frozenset[str], frozenset[str]]:
+    """The call_module targets of ``gm``'s graphs, and those of the regions they call."""
+    own: set[str] = set()
+    from_root: set[str] = set()
+    for graph in [gm.graph, *filter(None, [eval_graph(gm)])]:
+        if graph not in _CALLED:
+            targets = frozenset(n.target for n in graph.find_nodes(op="call_module"))
+            bodies = [_attribute(gm, n.target) for n in graph.find_nodes(op="get_attr")]
+            in_regions = frozenset(n.target for body in bodies
+                                   if isinstance(body, CheckpointedRegion)
+                                   for n in body.body.graph.find_nodes(op="call_module"))
+            _CALLED[graph] = (targets, in_regions)
+        own |= _CALLED[graph][0]
+        from_root |= _CALLED[graph][1]
+    return frozenset(own), frozenset(from_root)
+
+
+def _attribute(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for name in target.split("."):
+        value = getattr(value, name, None)
+    return value
