@@ -118,31 +118,31 @@ class Config:
                 f"passes {names} are out of order",
                 hint=f"list them in the canonical order: {', '.join(order)}",
             )
-        if self.memory_budget is not None and "checkpoint" not in names:
-            checkpoint = registry.lookup("checkpoint")
-            if checkpoint is None:
+        if self.memory_budget is not None:
+            if registry.lookup("checkpoint") is None:
                 raise ConfigError(
                     "memory_budget was given but no checkpointing pass is available",
                     hint="drop memory_budget, or install an fxopt with the checkpoint pass",
                 )
-            resolved.append((checkpoint, {}))
-            resolved.sort(key=lambda item: order.index(item[0].name))
-        chunked = registry.lookup("chunked_loss")  # the default pipeline under a budget
-        if (self.memory_budget is not None and self.passes is None and chunked is not None
-                and chunked.name not in names):
-            resolved.append((chunked, {}))
-            resolved.sort(key=lambda item: order.index(item[0].name))
-        widen = registry.lookup("loss_chunk_size")  # chunks sized after the plan
-        if (self.memory_budget is not None and widen is not None
-                and "chunked_loss" in [s.name for s, _ in resolved]
-                and widen.name not in [s.name for s, _ in resolved]):
-            resolved.append((widen, {}))
-            resolved.sort(key=lambda item: order.index(item[0].name))
-        if self.memory_budget is not None:
+            _bring_in(resolved, registry, "checkpoint", order)
+            if self.passes is None:  # the default pipeline under a budget
+                _bring_in(resolved, registry, "chunked_loss", order)
+            if any(spec.name == "chunked_loss" for spec, _ in resolved):
+                _bring_in(resolved, registry, "loss_chunk_size", order)  # sized after the plan
             for spec, options in resolved:
                 if spec.name in ("checkpoint", "chunked_loss"):
                     options.setdefault("budget", self.memory_budget)
         return resolved
+
+
+def _bring_in(resolved: list[tuple[PassSpec, dict[str, Any]]], registry: PassRegistry,
+              name: str, order: list[str]) -> None:
+    """Add pass ``name`` of ``registry`` to ``resolved`` in canonical order, unless it is there
+    already or not registered."""
+    spec = registry.lookup(name)
+    if spec is not None and all(s.name != spec.name for s, _ in resolved):
+        resolved.append((spec, {}))
+        resolved.sort(key=lambda item: order.index(item[0].name))
 
 
 @dataclass
