@@ -106,7 +106,7 @@ def loss_chunk_size(gm: fx.GraphModule, *, fused_optimizer: FusedOptimizers = No
     chosen = [max(g, min(rows, _tokens(node) or rows)) for g, (_, node) in zip(given, calls)]
     _set_rows(calls, chosen)
     stats: dict[str, Any] = {
-        "predicted_peak": peak, "predictions": predictions,
+        "predicted_peak_bytes": peak, "predictions": predictions,
         "calls": [WidenedCall(node.name, _tokens(node), g, c)
                   for (_, node), g, c in zip(calls, given, chosen)]}
     return PassResult(gm, chosen != given, stats)

@@ -95,7 +95,7 @@ def test_chunks_widen_only_where_the_peak_does_not_rise(build, inputs, widened):
     measured_narrow = measure_train_step(narrow, inputs).peak_bytes
     measured_wide = measure_train_step(wide, inputs).peak_bytes
     assert measured_wide <= measured_narrow
-    assert measured_wide == result.stats["predicted_peak"]  # exact on CPU
+    assert measured_wide == result.stats["predicted_peak_bytes"]  # exact on CPU
     loss = wide(*inputs)
     torch.testing.assert_close(loss, model(*inputs))
 
@@ -121,5 +121,5 @@ def test_optimize_under_a_budget_sizes_the_chunks_after_the_plan():
     assert site["chunk_rows"] == MIN_CHUNK_ROWS == call.chunk_rows_before
     assert call.chunk_rows > MIN_CHUNK_ROWS
     planned = records["checkpoint"].stats["predicted_after"]
-    assert records["loss_chunk_size"].stats["predicted_peak"] <= planned
+    assert records["loss_chunk_size"].stats["predicted_peak_bytes"] <= planned
     assert gm.fxopt_report.verification.ok
