@@ -84,6 +84,11 @@ def tensor_metadata(t: torch.Tensor) -> Any:
     return _extract_tensor_metadata(t)
 
 
+def forward_pre_hooks(module: nn.Module) -> list[Callable[..., Any]]:
+    """The forward pre-hooks registered on ``module`` (``_forward_pre_hooks``), in order."""
+    return list(module._forward_pre_hooks.values())
+
+
 def codegen_of(graph: fx.Graph) -> CodeGen:
     """The code generator a graph's ``python_code`` uses (plain, pytree, fxopt's mode dispatch)."""
     return graph._codegen

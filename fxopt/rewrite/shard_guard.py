@@ -26,6 +26,7 @@ from torch import fx, nn
 
 from fxopt.capture.train_eval import eval_graph
 from fxopt.core.errors import ConfigError
+from fxopt.core.torch_private import forward_pre_hooks
 from fxopt.runtime.regions import CheckpointedRegion
 
 # graph -> (the modules it calls, the modules the regions it calls call): graphs do not change
@@ -37,7 +38,7 @@ _CALLED: weakref.WeakKeyDictionary[fx.Graph, tuple[frozenset[str], frozenset[str
 def guard_shards(gm: fx.GraphModule) -> None:
     """Register ``refuse_uncalled_shards`` on ``gm`` (once: a module optimized again keeps
     one)."""
-    if refuse_uncalled_shards not in gm._forward_pre_hooks.values():
+    if refuse_uncalled_shards not in forward_pre_hooks(gm):
         gm.register_forward_pre_hook(refuse_uncalled_shards)
 
 
