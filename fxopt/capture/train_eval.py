@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from fxopt.core.errors import ExportError, TraceError
-from fxopt.core.modules import code_only_module
+from fxopt.core.modules import code_only_module, deepcopy_keeping_hooks
 from fxopt.core.torch_private import CodeGen, codegen_of, has_plain_codegen
 from fxopt.runtime.eval_forward import EvalForward
 
@@ -126,7 +126,7 @@ def replace_eval_graph(gm: fx.GraphModule, graph: fx.Graph) -> None:
 def _deepcopy_with_eval_attributes(self: fx.GraphModule, memo: dict) -> fx.GraphModule:
     """torch.fx's deep copy keeps only the attributes the train-mode graph reads; the plain
     attributes only the eval-mode graph reads (a higher-order op's body, a constant) come too."""
-    copied = fx.GraphModule.__deepcopy__(self, memo)
+    copied = deepcopy_keeping_hooks(self, memo)
     graph = eval_graph(self)
     for node in graph.find_nodes(op="get_attr") if graph is not None else ():
         owner_path, _, name = node.target.rpartition(".")

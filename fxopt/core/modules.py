@@ -100,6 +100,28 @@ def copy_hooks(source: nn.Module, target: nn.Module) -> None:
         target.__dict__[FULL_BACKWARD_HOOK_FLAG] = source.__dict__[FULL_BACKWARD_HOOK_FLAG]
 
 
+def deepcopy_keeping_hooks(module: fx.GraphModule, memo: dict) -> fx.GraphModule:
+    """``copy.deepcopy`` of a GraphModule that keeps its hooks, as an ``nn.Module``'s deep copy
+    does. torch.fx's own keeps only the state_dict hooks: a forward hook the user registered
+    on the model (``fxopt.capture.trace.graph_module_like`` copies it onto the optimized module)
+    or fxopt's shard guard would be gone from the copy, which would then compute another
+    function than ``copy.deepcopy(model)``. Install it as the class's ``__deepcopy__``."""
+    copied = fx.GraphModule.__deepcopy__(module, memo)
+    for name in (*HOOK_DICTS, FULL_BACKWARD_HOOK_FLAG):
+        if name in module.__dict__:
+            copied.__dict__[name] = copy.deepcopy(module.__dict__[name], memo)
+    if type(copied) is not type(module):  # fx gave the copy a class of its own: the copy's
+        for name in _PER_INSTANCE_CLASS_METHODS:  # copies must keep what the class overrides
+            if name in vars(type(module)):
+                setattr(type(copied), name, vars(type(module))[name])
+    return copied
+
+
+# What fxopt sets on a GraphModule's own class (``deepcopy_keeping_hooks``, the eval-mode
+# graph's deep copy and pickling refusal in ``fxopt.capture.train_eval``).
+_PER_INSTANCE_CLASS_METHODS = ("__deepcopy__", "__reduce__")
+
+
 def structural_copy(model: nn.Module) -> nn.Module:
     """A new module tree shaped like ``model`` whose Parameters and buffers are ``model``'s own.
 

@@ -47,7 +47,7 @@ import torch
 from torch import fx, nn
 
 from fxopt.core.errors import ConfigError, ExportError, InputError
-from fxopt.core.modules import structural_copy
+from fxopt.core.modules import deepcopy_keeping_hooks, structural_copy
 from fxopt.core.torch_private import MODULE_NAME_METHOD
 
 _STAND_IN = "_fxopt_pretrained"
@@ -216,7 +216,10 @@ class PretrainedInterface(fx.GraphModule):
                  "optimizing it")
 
     def __deepcopy__(self, memo: dict) -> fx.GraphModule:
-        copied = super().__deepcopy__(memo)
+        base = super().__deepcopy__  # the instance class's own (hooks kept, eval graph), except
+        # on a copy, whose class torch.fx derives from this one alone: then the hooks' keeper
+        plain = getattr(base, "__func__", None) is fx.GraphModule.__deepcopy__
+        copied = deepcopy_keeping_hooks(self, memo) if plain else base(memo)
         object.__setattr__(copied, _STAND_IN, copy.deepcopy(self.__dict__[_STAND_IN], memo))
         return copied
 
