@@ -68,9 +68,8 @@ def _tokens(node: fx.Node) -> int:
     return int(hidden.shape[:-1].numel()) if hidden is not None else 0
 
 
-def _set_rows(calls: list[tuple[fx.GraphModule, fx.Node]], rows: int | list[int]) -> None:
-    each = rows if isinstance(rows, list) else [rows] * len(calls)
-    for (_, node), value in zip(calls, each):
+def _set_rows(calls: list[tuple[fx.GraphModule, fx.Node]], rows: list[int]) -> None:
+    for (_, node), value in zip(calls, rows):
         node.kwargs = {**node.kwargs, "chunk_rows": value}
     for module in {id(m): m for m, _ in calls}.values():
         module.recompile()

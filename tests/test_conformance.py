@@ -20,6 +20,8 @@ from torch import nn
 
 import fxopt
 from fxopt.core.errors import InputError
+from fxopt.core.torch_private import forward_pre_hooks
+from fxopt.rewrite.shard_guard import refuse_uncalled_shards
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,6 +138,43 @@ def test_deepcopy(pair):
     model, slim, inputs = _copies(pair)
     assert not set(map(id, slim.parameters())) & set(map(id, pair[0].parameters()))
     _assert_same_step(slim, model, inputs)
+
+
+def _guards(module) -> int:
+    return forward_pre_hooks(module).count(refuse_uncalled_shards)
+
+
+def test_the_shard_guard_is_the_one_piece_of_state_fxopt_adds_and_every_operation_keeps_it(pair):
+    """The root's forward pre-hook (``fxopt.rewrite.shard_guard``) holds nothing (a module-level
+    function reading the module it is called with): deepcopy, load_state_dict with assign, a
+    dtype or device move and a replaced Parameter keep exactly one; optimizing the optimized
+    module again does not add a second. FSDP2's parameter swap: tests/test_fsdp.py, where every
+    fxopt arm runs it."""
+    model, slim, inputs = _copies(pair)
+    assert _guards(pair[1]) == 1 and _guards(pair[0]) == 0
+    slim.load_state_dict(_new_state(model), assign=True)
+    slim.to(torch.float64).to("cpu")
+    name, param = next(iter(slim.named_parameters()))
+    owner, _, attr = name.rpartition(".")
+    setattr(slim.get_submodule(owner), attr, nn.Parameter(param.detach().clone()))
+    assert _guards(slim) == 1 and _guards(copy.deepcopy(slim)) == 1
+
+
+def test_a_forward_hook_on_the_model_survives_deepcopies_as_on_the_model():
+    """torch.fx's deep copy keeps only state_dict hooks: copies of the optimized module computed
+    without the user's forward hook (``fxopt.core.modules.deepcopy_keeping_hooks``). A model
+    with a graph per training mode (BatchNorm), copied twice, in both modes. torch.export refuses
+    hooks on the model itself (``TraceError``), so this is the symbolic-tracing path."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU())
+    model.register_forward_hook(lambda module, args, out: out * 2)
+    x = torch.randn(3, 4)
+    slim = fxopt.optimize(model, (x,), capture="fx")
+    twice, reference = copy.deepcopy(copy.deepcopy(slim)), copy.deepcopy(model)
+    for mode in (False, True):
+        twice.train(mode)
+        reference.train(mode)
+        torch.testing.assert_close(twice(x), reference(x))
+    assert _guards(twice) == 1
 
 
 @pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])

@@ -18,6 +18,7 @@ checkpoint or a replaced submodule is judged as it is.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any
 
@@ -88,8 +89,8 @@ def _graph_calls(gm: fx.GraphModule) -> tuple[frozenset[str], frozenset[str]]:
     for graph in [gm.graph, *filter(None, [eval_graph(gm)])]:
         if graph not in _CALLED:
             targets = frozenset(n.target for n in graph.find_nodes(op="call_module"))
-            bodies = [_attribute(gm, n.target) for n in graph.find_nodes(op="get_attr")]
-            in_regions = frozenset(n.target for body in bodies
+            reads = [_read(gm, n.target) for n in graph.find_nodes(op="get_attr")]
+            in_regions = frozenset(n.target for body in reads
                                    if isinstance(body, CheckpointedRegion)
                                    for n in body.body.graph.find_nodes(op="call_module"))
             _CALLED[graph] = (targets, in_regions)
@@ -98,8 +99,10 @@ def _graph_calls(gm: fx.GraphModule) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(own), frozenset(from_root)
 
 
-def _attribute(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for name in target.split("."):
-        value = getattr(value, name, None)
-    return value
+def _read(gm: fx.GraphModule, target: str) -> Any:
+    """What a get_attr of ``target`` reads, or None where ``gm`` lacks it (an eval-mode
+    graph's constant held by its own code-only module)."""
+    try:
+        return operator.attrgetter(target)(gm)
+    except AttributeError:
+        return None
