@@ -12,7 +12,9 @@ the reason it stays. A mask is causal when (see the pass's docstring for users):
   pattern for the call's query and key lengths, which are equal: ``True`` (bool) or ``0.0``
   (float) on and below the diagonal, ``False`` or ``-inf`` (or the dtype's lowest value) above.
 
-Evaluating the mask runs its nodes on real (small) tensors; nothing in ``gm`` is changed.
+Evaluating the mask runs its nodes on real tensors on the CPU, whatever device the graph was
+captured on (a mask depends on shapes alone, and a ``(B, 1, T, T)`` mask on the GPU would cost
+device memory during planning); nothing in ``gm`` is changed.
 """
 
 from __future__ import annotations
@@ -90,26 +92,34 @@ def _why_not_causal(gm: fx.GraphModule, mask: fx.Node, user: fx.Node) -> str | N
     return None
 
 
+_CPU = torch.device("cpu")
+
+
 def _evaluate(gm: fx.GraphModule, nodes: set[fx.Node], mask: fx.Node, batch: int
               ) -> torch.Tensor | None:
-    """The mask's value with every ``sym_size`` of dimension 0 read as ``batch`` and the other
-    sizes as captured."""
+    """The mask's value on the CPU, with every ``sym_size`` of dimension 0 read as ``batch`` and
+    the other sizes as captured (a ``device=`` the capture baked into a factory op is read as
+    the CPU, and constants are copied there)."""
     env: dict[fx.Node, Any] = {}
     try:
         for node in gm.graph.nodes:
             if node not in nodes or node.op == "placeholder":
                 continue
             if node.op == "get_attr":
-                env[node] = getattr(gm, node.target)
+                value = getattr(gm, node.target)
+                env[node] = value.to(_CPU) if isinstance(value, torch.Tensor) else value
             elif node.target is _SYM_SIZE:
                 source, dim = node.args
                 env[node] = batch if dim == 0 else int(source.meta["val"].shape[dim])
             else:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                if "device" in kwargs:
+                    kwargs = {**kwargs, "device": _CPU}
                 env[node] = node.target(*args, **kwargs)
             if node is mask:
                 return env[node]
-    except Exception:  # a shape that is not an int, an op that needs values: not provable here
+    # a shape that is not an int, an op that needs values: not provable here
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, NotImplementedError):
         return None
     return None
 
@@ -117,7 +127,7 @@ def _evaluate(gm: fx.GraphModule, nodes: set[fx.Node], mask: fx.Node, batch: int
 def _is_causal_pattern(mask: torch.Tensor, length: int) -> bool:
     if mask.dim() < 2 or mask.shape[-2:] != (length, length):
         return False
-    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
     if mask.dtype == torch.bool:
         return bool(torch.equal(mask, allowed.expand_as(mask)))
     if not mask.is_floating_point():
