@@ -26,9 +26,10 @@ from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.modules import structural_copy
 from fxopt.core.pretrained import keep_pretrained_interface
 from fxopt.core.state import preserved_state
+from fxopt.core.tensors import module_device
+from fxopt.core.training_setup import TrainingSetup, ambient_autocast
 from fxopt.measure.peaks import measure
 from fxopt.measure.report import PhaseClock, Report, predicted_peaks
-from fxopt.rewrite.blocks import keep_blocks
 from fxopt.rewrite.shard_guard import guard_shards
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
 from fxopt.rewrite.registry import PassRegistry
@@ -53,6 +54,7 @@ def optimize(
     predict_memory: bool = True,
     fused_optimizer: FusedOptimizers = None,
     shard_blocks: bool = False,
+    outputs: str = "all",
 ) -> fx.GraphModule:
     """Return an optimized, verified GraphModule computing the same function as ``model``.
 
@@ -81,8 +83,18 @@ def optimize(
     ``shard_blocks``: plan for FSDP2 with ``fully_shard`` on each of ``fxopt.blocks(module)``
     and then the root: a block's parameter gradients are reduce-scattered when its backward
     ends instead of piling up to the end of backward, so the memory goes to activations (the
-    plan leans towards recomputing whole blocks). The predicted peaks of the report stay those
-    of one unsharded device.
+    plan leans towards recomputing whole blocks). The report's predicted peaks count the
+    gradients leaving likewise, with parameters unsharded (one device's view).
+    ``outputs``: ``"all"`` (default: the optimized module returns everything the model returns)
+    or ``"loss"``, for training loops that read only the loss (``out.loss.backward()``, as
+    Hugging Face's ``Trainer`` does): logits the model only returns are then not built in a
+    training step (a language model's batch x sequence x vocab tensor), and reading them raises
+    an error that says so; evaluation under ``torch.no_grad()`` returns them as before.
+
+    The training step is planned as it will run: on the device the model is on, under the
+    ``torch.autocast`` active where ``optimize`` is called (call it inside your autocast
+    context), with the fused optimizer step, sharding and outputs above (``fxopt.TrainingSetup``;
+    the report says which).
 
     ``example_inputs`` are the *positional* arguments of ``model.forward``: one tensor, or a
     tuple (or list) with one entry per argument. An entry may itself be a tuple, list or dict of
@@ -104,11 +116,14 @@ def optimize(
     """
     registry = builtin_passes.REGISTRY if registry is None else registry
     fused_optimizers(fused_optimizer)  # refuse what is no FusedOptimizer before any work
-    config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir,
-                    fused_optimizer=fused_optimizer, shard_blocks=shard_blocks)
+    training = TrainingSetup(fused_optimizer=fused_optimizer, sharded_blocks=shard_blocks,
+                             outputs=outputs)
+    config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir)
     config.resolved(registry)  # fail on a bad pass list before spending time on tracing
     check_capture_option(capture, leaf_modules)
     args = check_inputs(model, example_inputs, example_kwargs)
+    device = module_device(model, args)
+    config.training = training = training.with_(device=device, autocast=ambient_autocast(device))
     if verify or measure_memory:
         refuse_meta_tensors("verify" if verify else "measure", model, args)
     # Whatever tracing or a pass does to the user's tensors (a forward run eagerly, a timing
@@ -121,16 +136,15 @@ def optimize(
             # the module as captured, for blaming a failed verification on capture or passes
             captured = structural_copy(gm) if verify else None
         report = Report(model=type(model).__name__, trace=gm.meta[meta_keys.TRACE],
-                        seconds=clock.seconds)
+                        seconds=clock.seconds, training=training)
         with clock("predict"):
-            report.predicted_before = (predicted_peaks(gm, fused_optimizer) if predict_memory
+            report.predicted_before = (predicted_peaks(gm, training) if predict_memory
                                        else None)
         with clock("passes"):
             report.passes = run_passes(gm, config, registry)
-            keep_blocks(gm)
             guard_shards(gm)
         with clock("predict"):
-            report.predicted_after = (predicted_peaks(gm, fused_optimizer) if predict_memory
+            report.predicted_after = (predicted_peaks(gm, training) if predict_memory
                                       else None)
     drop_autograd_history(gm)
     copy_training_flags(model, gm)

@@ -18,7 +18,7 @@ from fxopt.core.step import FROM_LOSS
 from fxopt.measure.peaks import MemoryReport, format_bytes
 from fxopt.rewrite.pass_base import stats_lines
 from fxopt.rewrite.pipeline import PassRecord
-from fxopt.runtime.fused_step import FusedOptimizers
+from fxopt.core.training_setup import TrainingSetup
 from fxopt.verify.equivalence import VerifyReport
 
 _FRONTENDS = {"fx": "fx (symbolic tracing)", "export": "export (torch.export)"}
@@ -35,6 +35,7 @@ class Report:
     predicted_before: PeakEstimate | str | None = None  # str: why there is no prediction
     predicted_after: PeakEstimate | str | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds
+    training: TrainingSetup | None = None  # the training step planned for
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -53,11 +54,12 @@ class Report:
             "predicted_before": _predicted_dict(self.predicted_before),
             "predicted_after": _predicted_dict(self.predicted_after),
             "seconds": {**self.seconds, "total": self.total_seconds},
+            "training": self.training.describe() if self.training else None,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a Report pickled by an earlier fxopt lacks the fields added since
-        self.__dict__.update({"seconds": {}, **state})
+        self.__dict__.update({"seconds": {}, "training": None, **state})
 
     @property
     def total_seconds(self) -> float:
@@ -75,6 +77,8 @@ class Report:
         lines.extend(f"    {line}" for line in getattr(self.trace, "leaf_runs", ()))
         for name, why in self.trace.not_used:
             lines.append(f"    {name} not used: {why}")
+        if self.training is not None:
+            lines.append(f"  planned for a training step on {self.training.describe()}")
         if not self.passes:
             lines.append("  passes: none ran")
         for record in self.passes:
@@ -126,11 +130,12 @@ def _memory_dict(report: MemoryReport | None) -> dict[str, Any] | None:
     return {"train": report.train.as_dict(), "inference": report.inference.as_dict()}
 
 
-def predicted_peaks(gm: fx.GraphModule, fused_optimizer: FusedOptimizers = None
+def predicted_peaks(gm: fx.GraphModule, training: TrainingSetup | None = None
                     ) -> PeakEstimate | str:
-    """``estimate_peak`` of ``gm`` on its placeholders' fake values, or why it cannot be had."""
+    """``estimate_peak`` of ``gm`` on its placeholders' fake values for the training
+    ``training`` describes, or why it cannot be had."""
     try:
-        return estimate_peak(gm, placeholder_values(gm), fused_optimizer=fused_optimizer)
+        return estimate_peak(gm, placeholder_values(gm), training=training)
     except InputError as error:
         return error.what
 

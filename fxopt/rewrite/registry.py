@@ -17,16 +17,40 @@ from fxopt.core.errors import ConfigError
 from fxopt.rewrite.pass_base import PassResult
 
 
+BUDGET_ROLES = (None, "keeps", "joins")
+
+
 @dataclass(frozen=True)
 class PassSpec:
     """A pass as the pipeline knows it: its canonical name, the function, a one-line summary
-    (CLI help), whether the default pipeline runs it, and accepted short aliases."""
+    (CLI help), whether the default pipeline runs it, and accepted short aliases; and what it
+    needs from the pipeline, declared here so the pipeline never names a pass:
+
+    - ``budget``: the pass's part in a memory budget (``fxopt.optimize(memory_budget=...)``):
+      ``"keeps"`` (it is what meets the budget: a budget brings it into any pass list, and
+      without such a pass a budget is an error), ``"joins"`` (it helps: a budget brings it into
+      the default pipeline), or None. Either way the budget is given to the pass as its
+      ``budget`` option, unless the pass list sets that option itself.
+    - ``reads_training``: the pass plans for the training step and takes the pipeline's
+      ``fxopt.TrainingSetup`` as its ``training`` option.
+    - ``always``: every pipeline runs it, named in a pass list or not (a structural step the
+      optimized module's contract depends on, such as keeping the model's blocks as calls).
+    """
 
     name: str
     run: Callable[..., PassResult]
     summary: str
     default: bool = True
     aliases: tuple[str, ...] = ()
+    budget: str | None = None
+    reads_training: bool = False
+    always: bool = False
+
+    def __post_init__(self) -> None:
+        if self.budget not in BUDGET_ROLES:
+            raise ConfigError(f"pass {self.name!r}: budget={self.budget!r} is not one of "
+                              f"{BUDGET_ROLES}", hint="'keeps': the pass meets a memory budget; "
+                              "'joins': it helps the default pipeline meet one")
 
 
 class PassRegistry:
@@ -61,7 +85,7 @@ class PassRegistry:
         return None
 
     def defaults(self) -> list[PassSpec]:
-        return [s for s in self._specs.values() if s.default]
+        return [s for s in self._specs.values() if s.default or s.always]
 
     def __iter__(self) -> Iterator[PassSpec]:
         return iter(list(self._specs.values()))
