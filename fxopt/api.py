@@ -35,7 +35,8 @@ from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
 from fxopt.rewrite.registry import PassRegistry
 from fxopt.runtime.fused_step import FusedOptimizers, fused_optimizers
 from fxopt.verify.blame import capture_blamed
-from fxopt.verify.equivalence import verify as run_verify
+from fxopt.verify.fitting import check_mode as check_verify_mode
+from fxopt.verify.fitting import verify_where_it_fits
 
 
 def optimize(
@@ -44,7 +45,7 @@ def optimize(
     *,
     passes: list[PassRequest] | str | None = None,
     memory_budget: int | float | str | None = None,
-    verify: bool = True,
+    verify: bool | str = True,
     measure_memory: bool = False,
     leaf_modules: tuple[str, ...] = (),
     dump_dir: str | Path | None = None,
@@ -63,6 +64,10 @@ def optimize(
     ("2GiB"), a fraction of the unoptimized activation memory, or ``"min"`` (the least memory
     checkpointing reaches, at whatever recompute time); it enables checkpointing.
     ``verify``: run the equivalence check and raise ``EquivalenceError`` on any mismatch.
+    ``True`` (``"auto"``) runs it where it fits: at the example size, or, on a GPU where the
+    original's training step does not fit (the reason to call ``optimize``), at a smaller batch
+    of the same inputs, or on CPU copies (``fxopt.verify.fitting``); ``"full"``, ``"reduced"``
+    and ``"cpu"`` choose; the report says where it ran.
     ``measure_memory``: measure peak memory before and after (real training steps).
     ``predict_memory``: predict the training and inference peaks before and after on fake
     tensors (no compute; four fake runs) so the report says whether memory went down.
@@ -115,6 +120,7 @@ def optimize(
     module flags and the RNG state.
     """
     registry = builtin_passes.REGISTRY if registry is None else registry
+    verify_mode = check_verify_mode(verify) if verify is not False else None
     fused_optimizers(fused_optimizer)  # refuse what is no FusedOptimizer before any work
     training = TrainingSetup(fused_optimizer=fused_optimizer, sharded_blocks=shard_blocks,
                              outputs=outputs)
@@ -153,12 +159,17 @@ def optimize(
     if verify:
         with clock("verify"):
             try:
-                report.verification = run_verify(model, gm, args, strict=True)
+                verified = verify_where_it_fits(model, gm, args, mode=verify_mode,
+                                                training=training, strict=True)
+                report.verification, report.verified_where = verified.report, verified.where
             except EquivalenceError as error:  # the passes' doing, or the capture's?
+                inputs = getattr(error, "inputs", args)  # where the proof ran
+                if inputs is None:
+                    raise
                 raise capture_blamed(
                     error, frontend=report.trace.frontend, not_used=report.trace.not_used,
                     passes_changed=[p.name for p in report.passes if p.modified], model=model,
-                    args=args, unoptimized=captured) from error
+                    args=inputs, unoptimized=captured) from error
     if measure_memory:
         with clock("measure"):
             report.memory_before = measure(model, args)

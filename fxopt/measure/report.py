@@ -36,6 +36,7 @@ class Report:
     predicted_after: PeakEstimate | str | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds
     training: TrainingSetup | None = None  # the training step planned for
+    verified_where: str = ""  # where verification ran (``fxopt.verify.fitting``)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -55,11 +56,12 @@ class Report:
             "predicted_after": _predicted_dict(self.predicted_after),
             "seconds": {**self.seconds, "total": self.total_seconds},
             "training": self.training.describe() if self.training else None,
+            "verified_where": self.verified_where,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a Report pickled by an earlier fxopt lacks the fields added since
-        self.__dict__.update({"seconds": {}, "training": None, **state})
+        self.__dict__.update({"seconds": {}, "training": None, "verified_where": "", **state})
 
     @property
     def total_seconds(self) -> float:
@@ -92,7 +94,8 @@ class Report:
         if table:
             lines.append(table)
         if self.verification is not None:
-            lines.append(f"  verification: {self.verification}")
+            where = f" ({self.verified_where})" if self.verified_where else ""
+            lines.append(f"  verification{where}: {self.verification}")
         if self.seconds:
             phases = ", ".join(f"{name} {value:.2f}" for name, value in self.seconds.items())
             lines.append(f"  time: {self.total_seconds:.2f} s ({phases})")
