@@ -28,7 +28,9 @@ from fxopt.core.pretrained import keep_pretrained_interface
 from fxopt.core.state import preserved_state
 from fxopt.core.tensors import module_device
 from fxopt.core.training_setup import TrainingSetup, ambient_autocast
-from fxopt.measure.peaks import measure
+from fxopt.measure.budget_check import check_wanted, keep_budget
+from fxopt.measure.peaks import measure, measure_train_step
+from fxopt.planning.budget import is_min
 from fxopt.measure.report import PhaseClock, Report, predicted_peaks
 from fxopt.rewrite.shard_guard import guard_shards
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
@@ -56,6 +58,7 @@ def optimize(
     fused_optimizer: FusedOptimizers = None,
     shard_blocks: bool = False,
     outputs: str = "all",
+    check_budget: bool | None = None,
 ) -> fx.GraphModule:
     """Return an optimized, verified GraphModule computing the same function as ``model``.
 
@@ -95,6 +98,12 @@ def optimize(
     Hugging Face's ``Trainer`` does): logits the model only returns are then not built in a
     training step (a language model's batch x sequence x vocab tensor), and reading them raises
     an error that says so; evaluation under ``torch.no_grad()`` returns them as before.
+
+    ``check_budget``: run one real training step of the planned module and, when its peak is
+    over ``memory_budget``, plan again with the budget lowered by the overshoot
+    (``fxopt.measure.budget_check``). None (default): on wherever predictions are not exact (a
+    GPU, whose kernels hold workspaces fake tensors cannot see), off on the CPU. With
+    ``memory_budget="min"`` it measures what the device really reaches.
 
     The training step is planned as it will run: on the device the model is on, under the
     ``torch.autocast`` active where ``optimize`` is called (call it inside your autocast
@@ -139,8 +148,10 @@ def optimize(
         with clock("capture"):
             gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
             measure_leaves(gm, args)  # opaque leaves' memory on a real run, for the report
-            # the module as captured, for blaming a failed verification on capture or passes
-            captured = structural_copy(gm) if verify else None
+            # the module as captured: to blame a failed verification on capture or passes,
+            # and to plan again when a real step lands over the budget
+            checked = check_wanted(check_budget, device.type, memory_budget)
+            captured = structural_copy(gm) if verify or checked else None
         report = Report(model=type(model).__name__, trace=gm.meta[meta_keys.TRACE],
                         seconds=clock.seconds, training=training)
         with clock("predict"):
@@ -148,7 +159,13 @@ def optimize(
                                        else None)
         with clock("passes"):
             report.passes = run_passes(gm, config, registry)
-            guard_shards(gm)
+        if checked:
+            with clock("budget check"):
+                gm, report.passes, report.budget_check = keep_budget(
+                    gm, captured, report.passes, config, registry,
+                    lambda module: measure_train_step(module, args, training=training).peak_bytes,
+                    device=str(device), minimum=is_min(memory_budget))
+        guard_shards(gm)
         with clock("predict"):
             report.predicted_after = (predicted_peaks(gm, training) if predict_memory
                                       else None)

@@ -19,6 +19,7 @@ from fxopt.measure.peaks import MemoryReport, format_bytes
 from fxopt.rewrite.pass_base import stats_lines
 from fxopt.rewrite.pipeline import PassRecord
 from fxopt.core.training_setup import TrainingSetup
+from fxopt.measure.budget_check import BudgetCheck
 from fxopt.verify.equivalence import VerifyReport
 
 _FRONTENDS = {"fx": "fx (symbolic tracing)", "export": "export (torch.export)"}
@@ -37,6 +38,7 @@ class Report:
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds
     training: TrainingSetup | None = None  # the training step planned for
     verified_where: str = ""  # where verification ran (``fxopt.verify.fitting``)
+    budget_check: BudgetCheck | None = None  # the planned module's real peak against the budget
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -57,11 +59,16 @@ class Report:
             "seconds": {**self.seconds, "total": self.total_seconds},
             "training": self.training.describe() if self.training else None,
             "verified_where": self.verified_where,
+            "budget_check": (None if self.budget_check is None else
+                             {"budget_bytes": self.budget_check.budget_bytes,
+                              "rounds": self.budget_check.rounds,
+                              "device": self.budget_check.device}),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a Report pickled by an earlier fxopt lacks the fields added since
-        self.__dict__.update({"seconds": {}, "training": None, "verified_where": "", **state})
+        self.__dict__.update({"seconds": {}, "training": None, "verified_where": "",
+                              "budget_check": None, **state})
 
     @property
     def total_seconds(self) -> float:
@@ -93,6 +100,8 @@ class Report:
                             self.memory_after)
         if table:
             lines.append(table)
+        if self.budget_check is not None:
+            lines.append(f"  budget check: {self.budget_check}")
         if self.verification is not None:
             where = f" ({self.verified_where})" if self.verified_where else ""
             lines.append(f"  verification{where}: {self.verification}")
