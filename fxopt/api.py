@@ -15,6 +15,7 @@ from typing import Any
 from torch import fx, nn
 
 import passes as builtin_passes
+from fxopt.analysis.device_memory import measure_device_memory
 from fxopt.analysis.leaf_runs import measure_leaves
 from fxopt.capture.chain import capture as capture_model
 from fxopt.capture.chain import check_capture_option
@@ -22,6 +23,7 @@ from fxopt.capture.meta import drop_autograd_history
 from fxopt.capture.train_eval import refuse_pickling
 from fxopt.core import meta_keys
 from fxopt.core.errors import EquivalenceError
+from fxopt.core.graphs import placeholder_values
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.modules import structural_copy
 from fxopt.core.pretrained import keep_pretrained_interface
@@ -152,6 +154,10 @@ def optimize(
             # and to plan again when a real step lands over the budget
             checked = check_wanted(check_budget, device.type, memory_budget)
             captured = structural_copy(gm) if verify or checked else None
+        if device.type != "cpu":  # what fake tensors cannot see, measured on the device
+            with clock("device"):
+                config.training = training = training.with_(device_memory=measure_device_memory(
+                    gm, placeholder_values(gm), training))
         report = Report(model=type(model).__name__, trace=gm.meta[meta_keys.TRACE],
                         seconds=clock.seconds, training=training)
         with clock("predict"):
