@@ -103,8 +103,8 @@ class Report:
         if self.budget_check is not None:
             lines.append(f"  budget check: {self.budget_check}")
         if self.verification is not None:
-            where = f" ({self.verified_where})" if self.verified_where else ""
-            lines.append(f"  verification{where}: {self.verification}")
+            where = f"; ran at {self.verified_where}" if self.verified_where else ""
+            lines.append(f"  verification: {self.verification}{where}")
         if self.seconds:
             phases = ", ".join(f"{name} {value:.2f}" for name, value in self.seconds.items())
             lines.append(f"  time: {self.total_seconds:.2f} s ({phases})")

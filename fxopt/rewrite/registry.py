@@ -69,9 +69,15 @@ class PassRegistry:
         return {n for s in self._specs.values() for n in (s.name, *s.aliases)}
 
     def with_pass(self, spec: PassSpec, *, before: str | None = None) -> PassRegistry:
-        """A new registry with ``spec`` added at the end, or just before the pass ``before``."""
+        """A new registry with ``spec`` added at the end (before the structural passes every
+        pipeline ends with, ``PassSpec.always``), or just before the pass ``before``."""
         specs = list(self._specs.values())
-        index = len(specs) if before is None else self.canonical_order().index(before)
+        if before is not None:
+            index = self.canonical_order().index(before)
+        else:
+            index = len(specs)
+            while index and specs[index - 1].always and not spec.always:
+                index -= 1
         return PassRegistry([*specs[:index], spec, *specs[index:]])
 
     def canonical_order(self) -> list[str]:
