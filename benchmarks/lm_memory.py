@@ -167,9 +167,9 @@ def make_arm(name: str, model_name: str, args: argparse.Namespace, kw: dict) -> 
         notes.append(f"{len(records['checkpoint'].stats.get('regions', ()))} regions")
     if "chunked_loss" in records:
         sites = records["chunked_loss"].stats.get("sites", [])
-        widened = records.get("loss_chunk_size")
-        calls = widened.stats.get("calls", []) if widened else []
-        rows = (f"{calls[0].chunk_rows_before} -> {calls[0].chunk_rows}" if calls
+        planned = records["checkpoint"].stats.get("loss_chunk_rows") if "checkpoint" in records \
+            else None
+        rows = (f"{planned} (planned)" if planned is not None
                 else f"{sites[0]['chunk_rows']}" if sites else "")
         notes.append(f"chunk {rows} tokens; logits {sites[0]['logits']}"
                      if sites else f"chunked_loss: {records['chunked_loss'].stats['skipped']}")

@@ -12,6 +12,7 @@ from fxopt.analysis import estimate_peak, max_batch_size
 from fxopt.api import optimize
 from fxopt.capture.trace import trace
 from fxopt.core.pretrained import pretrained_checkpoints
+from fxopt.core.training_setup import TrainingSetup
 from fxopt.core.errors import (
     BudgetError,
     ConfigError,
@@ -56,5 +57,5 @@ __all__ = [
     "TraceError", "VerifyReport", "blocks", "estimate_peak", "max_batch_size", "measure",
     "measure_inference", "measure_train_step", "optimize", "release_inputs", "trace", "verify",
 ]
-__all__ += ["pretrained_checkpoints"]
+__all__ += ["pretrained_checkpoints", "TrainingSetup"]
 __all__ += ["FusedOptimizer", "FusedTrainingReport", "fuse_optimizer", "verify_fused_training"]

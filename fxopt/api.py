@@ -15,6 +15,7 @@ from typing import Any
 from torch import fx, nn
 
 import passes as builtin_passes
+from fxopt.analysis.device_memory import measure_device_memory
 from fxopt.analysis.leaf_runs import measure_leaves
 from fxopt.capture.chain import capture as capture_model
 from fxopt.capture.chain import check_capture_option
@@ -22,19 +23,24 @@ from fxopt.capture.meta import drop_autograd_history
 from fxopt.capture.train_eval import refuse_pickling
 from fxopt.core import meta_keys
 from fxopt.core.errors import EquivalenceError
+from fxopt.core.graphs import placeholder_values
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.modules import structural_copy
 from fxopt.core.pretrained import keep_pretrained_interface
 from fxopt.core.state import preserved_state
-from fxopt.measure.peaks import measure
+from fxopt.core.tensors import module_device
+from fxopt.core.training_setup import TrainingSetup, ambient_autocast
+from fxopt.measure.budget_check import check_wanted, keep_budget
+from fxopt.measure.peaks import measure, measure_train_step
+from fxopt.planning.budget import is_min
 from fxopt.measure.report import PhaseClock, Report, predicted_peaks
-from fxopt.rewrite.blocks import keep_blocks
 from fxopt.rewrite.shard_guard import guard_shards
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
 from fxopt.rewrite.registry import PassRegistry
 from fxopt.runtime.fused_step import FusedOptimizers, fused_optimizers
 from fxopt.verify.blame import capture_blamed
-from fxopt.verify.equivalence import verify as run_verify
+from fxopt.verify.fitting import check_mode as check_verify_mode
+from fxopt.verify.fitting import verify_where_it_fits
 
 
 def optimize(
@@ -43,7 +49,7 @@ def optimize(
     *,
     passes: list[PassRequest] | str | None = None,
     memory_budget: int | float | str | None = None,
-    verify: bool = True,
+    verify: bool | str = True,
     measure_memory: bool = False,
     leaf_modules: tuple[str, ...] = (),
     dump_dir: str | Path | None = None,
@@ -53,6 +59,8 @@ def optimize(
     predict_memory: bool = True,
     fused_optimizer: FusedOptimizers = None,
     shard_blocks: bool = False,
+    outputs: str = "all",
+    check_budget: bool | None = None,
 ) -> fx.GraphModule:
     """Return an optimized, verified GraphModule computing the same function as ``model``.
 
@@ -61,6 +69,10 @@ def optimize(
     ("2GiB"), a fraction of the unoptimized activation memory, or ``"min"`` (the least memory
     checkpointing reaches, at whatever recompute time); it enables checkpointing.
     ``verify``: run the equivalence check and raise ``EquivalenceError`` on any mismatch.
+    ``True`` (``"auto"``) runs it where it fits: at the example size, or, on a GPU where the
+    original's training step does not fit (the reason to call ``optimize``), at a smaller batch
+    of the same inputs, or on CPU copies (``fxopt.verify.fitting``); ``"full"``, ``"reduced"``
+    and ``"cpu"`` choose; the report says where it ran.
     ``measure_memory``: measure peak memory before and after (real training steps).
     ``predict_memory``: predict the training and inference peaks before and after on fake
     tensors (no compute; four fake runs) so the report says whether memory went down.
@@ -81,8 +93,24 @@ def optimize(
     ``shard_blocks``: plan for FSDP2 with ``fully_shard`` on each of ``fxopt.blocks(module)``
     and then the root: a block's parameter gradients are reduce-scattered when its backward
     ends instead of piling up to the end of backward, so the memory goes to activations (the
-    plan leans towards recomputing whole blocks). The predicted peaks of the report stay those
-    of one unsharded device.
+    plan leans towards recomputing whole blocks). The report's predicted peaks count the
+    gradients leaving likewise, with parameters unsharded (one device's view).
+    ``outputs``: ``"all"`` (default: the optimized module returns everything the model returns)
+    or ``"loss"``, for training loops that read only the loss (``out.loss.backward()``, as
+    Hugging Face's ``Trainer`` does): logits the model only returns are then not built in a
+    training step (a language model's batch x sequence x vocab tensor), and reading them raises
+    an error that says so; evaluation under ``torch.no_grad()`` returns them as before.
+
+    ``check_budget``: run one real training step of the planned module and, when its peak is
+    over ``memory_budget``, plan again with the budget lowered by the overshoot
+    (``fxopt.measure.budget_check``). None (default): on wherever predictions are not exact (a
+    GPU, whose kernels hold workspaces fake tensors cannot see), off on the CPU. With
+    ``memory_budget="min"`` it measures what the device really reaches.
+
+    The training step is planned as it will run: on the device the model is on, under the
+    ``torch.autocast`` active where ``optimize`` is called (call it inside your autocast
+    context), with the fused optimizer step, sharding and outputs above (``fxopt.TrainingSetup``;
+    the report says which).
 
     ``example_inputs`` are the *positional* arguments of ``model.forward``: one tensor, or a
     tuple (or list) with one entry per argument. An entry may itself be a tuple, list or dict of
@@ -103,12 +131,16 @@ def optimize(
     module flags and the RNG state.
     """
     registry = builtin_passes.REGISTRY if registry is None else registry
+    verify_mode = check_verify_mode(verify) if verify is not False else None
     fused_optimizers(fused_optimizer)  # refuse what is no FusedOptimizer before any work
-    config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir,
-                    fused_optimizer=fused_optimizer, shard_blocks=shard_blocks)
+    training = TrainingSetup(fused_optimizer=fused_optimizer, sharded_blocks=shard_blocks,
+                             outputs=outputs)
+    config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir)
     config.resolved(registry)  # fail on a bad pass list before spending time on tracing
     check_capture_option(capture, leaf_modules)
     args = check_inputs(model, example_inputs, example_kwargs)
+    device = module_device(model, args)
+    config.training = training = training.with_(device=device, autocast=ambient_autocast(device))
     if verify or measure_memory:
         refuse_meta_tensors("verify" if verify else "measure", model, args)
     # Whatever tracing or a pass does to the user's tensors (a forward run eagerly, a timing
@@ -118,19 +150,30 @@ def optimize(
         with clock("capture"):
             gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
             measure_leaves(gm, args)  # opaque leaves' memory on a real run, for the report
-            # the module as captured, for blaming a failed verification on capture or passes
-            captured = structural_copy(gm) if verify else None
+            # the module as captured: to blame a failed verification on capture or passes,
+            # and to plan again when a real step lands over the budget
+            checked = check_wanted(check_budget, device.type, memory_budget)
+            captured = structural_copy(gm) if verify or checked else None
+        if device.type != "cpu":  # what fake tensors cannot see, measured on the device
+            with clock("device"):
+                config.training = training = training.with_(device_memory=measure_device_memory(
+                    gm, placeholder_values(gm), training))
         report = Report(model=type(model).__name__, trace=gm.meta[meta_keys.TRACE],
-                        seconds=clock.seconds)
+                        seconds=clock.seconds, training=training)
         with clock("predict"):
-            report.predicted_before = (predicted_peaks(gm, fused_optimizer) if predict_memory
+            report.predicted_before = (predicted_peaks(gm, training) if predict_memory
                                        else None)
         with clock("passes"):
             report.passes = run_passes(gm, config, registry)
-            keep_blocks(gm)
-            guard_shards(gm)
+        if checked:
+            with clock("budget check"):
+                gm, report.passes, report.budget_check = keep_budget(
+                    gm, captured, report.passes, config, registry,
+                    lambda module: measure_train_step(module, args, training=training).peak_bytes,
+                    device=str(device), minimum=is_min(memory_budget))
+        guard_shards(gm)
         with clock("predict"):
-            report.predicted_after = (predicted_peaks(gm, fused_optimizer) if predict_memory
+            report.predicted_after = (predicted_peaks(gm, training) if predict_memory
                                       else None)
     drop_autograd_history(gm)
     copy_training_flags(model, gm)
@@ -139,12 +182,17 @@ def optimize(
     if verify:
         with clock("verify"):
             try:
-                report.verification = run_verify(model, gm, args, strict=True)
+                verified = verify_where_it_fits(model, gm, args, mode=verify_mode,
+                                                training=training, strict=True)
+                report.verification, report.verified_where = verified.report, verified.where
             except EquivalenceError as error:  # the passes' doing, or the capture's?
+                inputs = getattr(error, "inputs", args)  # where the proof ran
+                if inputs is None:
+                    raise
                 raise capture_blamed(
                     error, frontend=report.trace.frontend, not_used=report.trace.not_used,
                     passes_changed=[p.name for p in report.passes if p.modified], model=model,
-                    args=args, unoptimized=captured) from error
+                    args=inputs, unoptimized=captured) from error
     if measure_memory:
         with clock("measure"):
             report.memory_before = measure(model, args)

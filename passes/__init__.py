@@ -1,16 +1,18 @@
 """fxopt's passes, one file each, and ``REGISTRY``: the built-in pipeline in canonical order.
 
 Each pass is a graph edit only: it asks ``fxopt.planning`` for its decision and applies it.
+``keep_blocks``, the structural step that runs last in every pipeline, lives with the pass
+machinery (``fxopt.rewrite.blocks``), beside ``fxopt.blocks`` which reads its result.
 """
 
 from __future__ import annotations
 
+from fxopt.rewrite.blocks import keep_blocks
 from fxopt.rewrite.registry import PassRegistry, PassSpec
 from passes.causal_attention import causal_attention
 from passes.checkpoint import checkpoint
 from passes.chunked_loss import chunked_loss
 from passes.inplace_activations import inplace_activations
-from passes.loss_chunk_size import loss_chunk_size
 from passes.pad_channels import pad_channels
 from passes.reorder import reorder
 
@@ -28,16 +30,18 @@ REGISTRY = PassRegistry([
              "a language model's head and cross-entropy computed over chunks of tokens: the "
              "batch x sequence x vocab tensors of the loss are never held "
              "(outputs='loss': logits the model only returns are not built)",
-             default=False, aliases=("chunked",)),
+             default=False, aliases=("chunked",), budget="joins", reads_training=True),
     PassSpec("checkpoint", checkpoint,
-             "recompute the cheapest regions in backward to fit a memory budget",
-             default=False, aliases=("ckpt",)),
-    PassSpec("loss_chunk_size", loss_chunk_size,
-             "the chunked loss's chunks made as wide (fast) as the predicted peak allows, "
-             "after the plan (follows chunked_loss under a memory budget)", default=False),
-    PassSpec("reorder", reorder, "memory-aware topological order (lowest predicted peak)"),
+             "recompute the cheapest regions in backward to fit a memory budget, and size "
+             "the chunked loss's chunks with the plan",
+             default=False, aliases=("ckpt",), budget="keeps", reads_training=True),
+    PassSpec("reorder", reorder, "memory-aware topological order (lowest predicted peak)",
+             reads_training=True),
+    PassSpec("keep_blocks", keep_blocks,
+             "the model's repeated blocks stay called submodules (per-block FSDP2, "
+             "torch.compile, hooks); runs in every pipeline", always=True, aliases=("blocks",)),
 ])
 
 __all__ = ["REGISTRY", "PassRegistry", "PassSpec", "causal_attention", "checkpoint",
-           "chunked_loss", "inplace_activations", "loss_chunk_size",
-           "pad_channels", "reorder"]
+           "chunked_loss", "inplace_activations",
+           "keep_blocks", "pad_channels", "reorder"]

@@ -24,14 +24,20 @@ runs can settle on different near-equal plans. ``profile=False`` plans from the 
 roofline instead: no real compute, and the same plan on every run and every DDP rank, at the price
 of a cost model that can be far off on CPU (BatchNorm 8x, max-pool 40x in our measurements).
 
-Fused optimizer step: ``fused_optimizer`` (what ``fxopt.fuse_optimizer`` returned; given by
-``fxopt.optimize(..., fused_optimizer=...)``) frees each gradient at its step in backward, and
-the plan and every prediction count that; without it every gradient lives to the end of backward.
-
-Sharded blocks: ``shard_blocks=True`` (``fxopt.optimize(..., shard_blocks=True)``) plans for
-``fully_shard`` on each block, then the root: a block's parameter gradients leave (reduce-scattered)
-when its backward is done instead of piling up, which moves the best plan towards recomputing whole
+The training planned for: ``training`` (``fxopt.TrainingSetup``, what ``fxopt.optimize`` was
+told) is read by the plan and by every prediction. Its precision (autocast) sets the sizes of
+what is saved; a fused optimizer step (``fxopt.fuse_optimizer``) frees each gradient at its step
+in backward, where otherwise every gradient lives to the end of backward; per-block FSDP2
+(``sharded_blocks``) makes a block's parameter gradients leave (reduce-scattered) when its
+backward is done instead of piling up, which moves the best plan towards recomputing whole
 blocks (``fxopt.analysis.blocks.block_parameter_names``).
+
+The chunked loss's chunk is a variable of the same plan. A chunked-loss call whose size is left
+open (``passes.chunked_loss`` with ``chunk_rows="auto"``: ``chunk_rows=None`` in the graph) is
+planned at ``MIN_CHUNK_ROWS`` tokens, the least the loss can hold; once the regions are chosen it
+gets the widest chunk (a power of two up to the device's ``fast_chunk_rows``) whose predicted
+peak stays within the budget (``"min"``: within the plan's predicted peak), since small chunks
+are slow (``fxopt.planning.loss_chunks``). ``stats["loss_chunk_rows"]`` says which.
 
 An opaque leaf (``fxopt.capture.leaf_runs``) is recomputed like any call, with RNG replayed; one
 that writes its inputs in place only together with the node that made that input.
@@ -45,26 +51,30 @@ from __future__ import annotations
 import operator
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import fx
 
-from fxopt.analysis.blocks import block_parameter_names
 from fxopt.analysis.estimate import estimate_train_peak
 from fxopt.capture.meta import refresh_meta
 from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import graph_module_like
 from fxopt.core.tensors import format_bytes
 from fxopt.core.torch_private import copy_codegen
+from fxopt.core.training_setup import TrainingSetup
 from fxopt.planning.budget import budget_bytes, is_min
 from fxopt.planning.checkpoint_problem import build_problem
 from fxopt.planning.checkpoint_search import least_memory_plan, search_plan
+from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, fast_chunk_rows, widest_chunk_rows
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
 from fxopt.rewrite.pass_base import PassResult, StatsItem, mark_new
 from fxopt.rewrite.subgraph import extract_region, region_io
-from fxopt.runtime.fused_step import FusedOptimizers
+from fxopt.runtime.chunked_loss import chunked_loss, chunked_loss_and_logits
 from fxopt.runtime.regions import CheckpointedRegion, call_region
+
+SIZED_LOSS_CALLS = (chunked_loss, chunked_loss_and_logits)
 
 PASS_NAME = "checkpoint"
 
@@ -142,7 +152,7 @@ def _already_checkpointed(gm: fx.GraphModule) -> bool:
 
 
 def _predict(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan,
-             fused_optimizer: FusedOptimizers, released: frozenset[str]) -> int:
+             training: TrainingSetup) -> int:
     """Predicted train peak of ``gm`` with ``plan`` applied (on a copy; ``gm`` is untouched)."""
     mapping: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
@@ -151,15 +161,15 @@ def _predict(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan,
     candidate = graph_module_like(gm, graph)
     apply_plan(candidate, [mapping[n] for n in forward], plan)
     candidate.recompile()
-    return estimate_train_peak(candidate, placeholder_values(gm), fused_optimizer=fused_optimizer,
-                               released_gradients=released).bytes
+    return estimate_train_peak(candidate, placeholder_values(gm), training=training).bytes
 
 
 def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
                max_region_atoms: int = 16, profile: bool = True,
-               fused_optimizer: FusedOptimizers = None,
-               regions_across_blocks: bool = False, shard_blocks: bool = False) -> PassResult:
-    """Recompute the cheapest regions in backward so the predicted train peak fits ``budget``.
+               regions_across_blocks: bool = False,
+               training: TrainingSetup | None = None) -> PassResult:
+    """Recompute the cheapest regions in backward so the predicted train peak fits ``budget``,
+    and size the chunked loss's open chunks with the plan (module docstring).
 
     A region lies in one repeated block or outside all of them, so the blocks stay calls of
     their own (``fxopt.rewrite.blocks``: per-block FSDP2 and torch.compile);
@@ -168,39 +178,77 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     if _already_checkpointed(gm):
         return PassResult(gm, False, {"reason": "graph already has checkpointed regions"})
     started = time.perf_counter()
-    released = block_parameter_names(gm, gm.graph) if shard_blocks else frozenset()
-    estimate = estimate_train_peak(gm, placeholder_values(gm), fused_optimizer=fused_optimizer,
-                                   released_gradients=released)
+    training = training or TrainingSetup()
+    loss_calls = LossChunks(gm)
+    loss_calls.set(MIN_CHUNK_ROWS)  # planned around the least the loss can hold
+    estimate = estimate_train_peak(gm, placeholder_values(gm), training=training)
     peak, activations = estimate.bytes, estimate.activation_bytes
     target = budget_bytes(budget, peak=peak, activations=activations)
     stats: dict[str, Any] = {"budget_bytes": target, "predicted_before": peak,
                              "activation_bytes": activations}
+    problem, forward = build_problem(gm, profile=profile, training=training,
+                                     regions_across_blocks=regions_across_blocks)
+    predict = lambda candidate: _predict(gm, forward, candidate, training)  # noqa: E731
+    plan, predicted = CheckpointPlan(), peak
     if peak <= target:
-        stats["predicted_after"] = peak
-        return PassResult(gm, False, stats)
-    problem, forward = build_problem(gm, profile=profile, fused_optimizer=fused_optimizer,
-                                     regions_across_blocks=regions_across_blocks,
-                                     released_gradients=released)
-    predict = lambda candidate: _predict(gm, forward, candidate, fused_optimizer,  # noqa: E731
-                                         released)
-    if is_min(budget):
+        pass
+    elif is_min(budget):
         found = least_memory_plan(problem, predict, max_region_atoms)
-        if found is None or found[0] >= peak:
-            stats.update(predicted_after=peak, reason="no plan predicts less than the original")
-            return PassResult(gm, False, stats)
-        predicted, plan = found
-        stats["budget_bytes"] = predicted
+        if found is not None and found[0] < peak:
+            predicted, plan = found
+            stats["budget_bytes"] = predicted
+        else:
+            stats["reason"] = "no plan predicts less than the original"
     else:
         predicted, plan = search_plan(
             problem, target=target, unoptimized_peak=peak, predict=predict,
             max_region_atoms=max_region_atoms, where=f"checkpoint pass, budget={budget!r}",
             activations=activations,
             gradients=0 if estimate.fused.parameters else estimate.grad_bytes)
+    if loss_calls:
+        limit = predicted if is_min(budget) else max(target, predicted)
+        rows = loss_calls.widest(lambda: predict(plan) <= limit, fast_chunk_rows(training.device))
+        stats["loss_chunk_rows"] = rows
+    stats["predicted_after"] = predicted
+    if plan.empty:
+        return PassResult(gm, bool(loss_calls), stats)
     stats["regions"] = apply_plan(gm, forward, plan)
     gm.recompile()
     refresh_meta(gm)
-    stats.update({"predicted_after": predicted, "regions_count": len(plan.regions),
+    stats.update({"regions_count": len(plan.regions),
                   "predicted_extra_ms": round(plan.extra_seconds * 1e3, 3),
                   "solver_seconds": round(plan.solve_seconds, 3),
                   "seconds": round(time.perf_counter() - started, 3)})
     return PassResult(gm, True, stats)
+
+
+class LossChunks:
+    """The chunked-loss calls of a graph whose chunk size is left open (``chunk_rows=None``,
+    ``passes.chunked_loss`` with ``chunk_rows="auto"``): the plan sizes them. A size the user
+    fixed is an int, and stays."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.calls = [n for n in gm.graph.nodes if n.op == "call_function"
+                      and n.target in SIZED_LOSS_CALLS and n.kwargs.get("chunk_rows") is None]
+        values = [c.args[0].meta.get("val") for c in self.calls if isinstance(c.args[0], fx.Node)]
+        self.tokens = max((int(v.shape[:-1].numel()) for v in values if v is not None), default=0)
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+    def set(self, rows: int) -> None:
+        for call in self.calls:
+            call.kwargs = {**call.kwargs, "chunk_rows": rows}
+        if self.calls:
+            self.gm.recompile()
+
+    def widest(self, fits: Callable[[], bool], cap: int) -> int:
+        """Set every call to the widest chunk (``widest_chunk_rows``, at most ``cap`` tokens)
+        for which ``fits()`` holds with the calls at that size; returns it."""
+        def fits_at(rows: int) -> bool:
+            self.set(rows)
+            return fits()
+        rows = widest_chunk_rows(MIN_CHUNK_ROWS, self.tokens, fits_at, cap)
+        self.set(min(rows, max(self.tokens, 1)))
+        return min(rows, max(self.tokens, 1))

@@ -29,14 +29,15 @@ original, up to float rounding: the mean is over the non-ignored tokens of the w
   ``"all"``, and the stats say so. ``fxopt.verify`` accepts the placeholder where the original
   returned a tensor: the user asked for it.
 
-``chunk_rows``: tokens per chunk, or ``"auto"`` (``fxopt.planning.loss_chunks``). ``force``:
-rewrite even where the planner predicts no saving. ``budget``: set by ``fxopt.optimize``'s
-``memory_budget`` (the pass joins the default pipeline then, ``passes=None``): with
-``chunk_rows="auto"`` the call gets the smallest chunk, for the checkpoint planner to plan
-around, and ``passes.loss_chunk_size`` widens it after the plan as far as the predicted peak
-allows; the rewrite is kept only when it lowers the predicted training peak
-(``fxopt.analysis.estimate``, on a copy of the graph); the stats give both predictions and the
-loss's share of the peak before and after.
+``outputs`` left None takes the training's (``training.outputs``: ``fxopt.optimize(...,
+outputs="loss")``). ``chunk_rows``: tokens per chunk, or ``"auto"``: left open in the graph
+(``chunk_rows=None``: ``fxopt.runtime.chunked_loss.auto_chunk_rows`` at run time), where the
+checkpoint pass, planning under a memory budget, sizes it as part of its plan
+(``fxopt.planning.loss_chunks``). ``force``: rewrite even where the planner predicts no saving.
+``budget``: set by ``fxopt.optimize``'s ``memory_budget`` (the pass joins the default pipeline
+then, ``passes=None``): the rewrite is kept only when it lowers the predicted training peak of
+the training planned for (``fxopt.analysis.estimate``, on a copy of the graph); the stats give
+both predictions and the loss's share of the peak before and after.
 
 Left alone, with the reason in ``stats["skipped"]``: class weights, ``reduction="none"``,
 probability targets, label smoothing or ignore_index computed in the graph, a projection with
@@ -59,9 +60,9 @@ from fxopt.analysis.estimate import estimate_train_peak
 from fxopt.capture.meta import refresh_meta
 from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import graph_module_like
-from fxopt.core import meta_keys
 from fxopt.core.errors import ConfigError
 from fxopt.core.torch_private import copy_codegen
+from fxopt.core.training_setup import OUTPUTS, TrainingSetup
 from fxopt.planning.budget import parse_budget
 from fxopt.planning.loss_chunks import decide
 from fxopt.rewrite.pass_base import PassResult, mark_new
@@ -74,13 +75,16 @@ from fxopt.runtime.chunked_loss import (
 )
 
 PASS_NAME = "chunked_loss"
-OUTPUTS = ("all", "loss")
 
 
-def chunked_loss(gm: fx.GraphModule, *, outputs: str = "all", chunk_rows: int | str = "auto",
-                 force: bool = False, budget: int | float | str | None = None) -> PassResult:
+def chunked_loss(gm: fx.GraphModule, *, outputs: str | None = None,
+                 chunk_rows: int | str = "auto", force: bool = False,
+                 budget: int | float | str | None = None,
+                 training: TrainingSetup | None = None) -> PassResult:
     """Rewrite each token-level cross-entropy over a vocabulary projection into a chunked call
     (module docstring)."""
+    training = training or TrainingSetup()
+    outputs = training.outputs if outputs is None else outputs
     if outputs not in OUTPUTS:
         raise ConfigError(f"chunked_loss: outputs={outputs!r} is not one of {OUTPUTS}",
                           hint="outputs='all' returns every output (default); outputs='loss' "
@@ -90,7 +94,7 @@ def chunked_loss(gm: fx.GraphModule, *, outputs: str = "all", chunk_rows: int | 
                           "positive int", hint="e.g. chunk_rows=128")
     if budget is not None:
         parse_budget(budget)  # a ConfigError before any work
-    options = {"outputs": outputs, "chunk_rows": chunk_rows, "force": force, "budget": budget}
+    options = {"outputs": outputs, "chunk_rows": chunk_rows, "force": force}
     stats: dict[str, Any] = {"outputs": outputs}
     if budget is not None and not force:
         # the planner's use: only where the predicted training peak goes down
@@ -100,8 +104,8 @@ def chunked_loss(gm: fx.GraphModule, *, outputs: str = "all", chunk_rows: int | 
             return PassResult(gm, False, {**stats, "rewritten": 0, "sites": [],
                                           "skipped": skipped})
         inputs = placeholder_values(gm)
-        before = estimate_train_peak(gm, inputs).bytes
-        after = estimate_train_peak(candidate, inputs).bytes
+        before = estimate_train_peak(gm, inputs, training=training).bytes
+        after = estimate_train_peak(candidate, inputs, training=training).bytes
         stats.update(predicted_before=before, predicted_after=after)
         if after >= before:
             skipped.update({r["loss"]: f"predicted training peak {after} B is not below "
@@ -119,19 +123,18 @@ def chunked_loss(gm: fx.GraphModule, *, outputs: str = "all", chunk_rows: int | 
                                           "skipped": skipped})
 
 
-def _apply(gm: fx.GraphModule, *, outputs: str, chunk_rows: int | str, force: bool,
-           budget: int | float | str | None) -> tuple[list[dict[str, Any]], dict[str, str]]:
+def _apply(gm: fx.GraphModule, *, outputs: str, chunk_rows: int | str, force: bool
+           ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     findings = find_token_losses(gm)
     skipped: dict[str, str] = dict(findings.refused)
     records: list[dict[str, Any]] = []
     for site in findings.sites:
         decision = decide(site.tokens, site.vocab, site.hidden_size, site.itemsize,
-                          chunk_rows=chunk_rows, force=force, budget=budget)
-        if decision.chunk_rows is None:
+                          chunk_rows=chunk_rows, force=force)
+        if not decision.chunk:
             skipped[site.name] = decision.reason or "not worth it"
             continue
-        record = _rewrite(gm, site, decision.chunk_rows, outputs,
-                          chosen=chunk_rows == "auto")
+        record = _rewrite(gm, site, decision.chunk_rows, outputs)
         record.update(predicted_removed_bytes=decision.removed_bytes,
                       predicted_added_bytes=decision.added_bytes)
         records.append(record)
@@ -152,8 +155,8 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return candidate
 
 
-def _rewrite(gm: fx.GraphModule, site: TokenLoss, rows: int, outputs: str, *,
-             chosen: bool) -> dict[str, Any]:
+def _rewrite(gm: fx.GraphModule, site: TokenLoss, rows: int | None, outputs: str
+             ) -> dict[str, Any]:
     graph = gm.graph
     uses = site.logits_uses
     dropped = []
@@ -188,7 +191,6 @@ def _rewrite(gm: fx.GraphModule, site: TokenLoss, rows: int, outputs: str, *,
         target = chunked_loss_and_logits if want_logits else chunked_loss_call
         call = mark_new(graph.call_function(target, (site.hidden, weight, bias, site.targets),
                                             options), PASS_NAME)
-        call.meta[meta_keys.CHUNK_ROWS] = "auto" if chosen else "given"
         if want_logits:
             loss = mark_new(graph.call_function(operator.getitem, (call, 0)), PASS_NAME)
             logits = mark_new(graph.call_function(operator.getitem, (call, 1)), PASS_NAME)
@@ -204,7 +206,7 @@ def _rewrite(gm: fx.GraphModule, site: TokenLoss, rows: int, outputs: str, *,
                 user.replace_input_with(value, logits)
     _erase_dead(graph, site)
     record = {"loss": site.name, "call": call.name, "tokens": site.tokens, "vocab": site.vocab,
-              "hidden": site.hidden_size, "chunk_rows": rows,
+              "hidden": site.hidden_size, "chunk_rows": "open" if rows is None else rows,
               "transforms": [list(map(str, t)) for t in site.transforms],
               "row_slices": [list(s) for s in site.row_slices]}
     if dropped:

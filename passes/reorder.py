@@ -12,15 +12,18 @@ from __future__ import annotations
 
 from torch import fx
 
+from fxopt.core.training_setup import TrainingSetup
 from fxopt.planning.schedule import choose_schedule, graph_in_order
 from fxopt.rewrite.pass_base import PassResult
 
 PASS_NAME = "reorder"
 
 
-def reorder(gm: fx.GraphModule, *, train: bool = True) -> PassResult:
-    """Schedule the graph in the order with the lowest predicted peak (train or inference)."""
-    decision = choose_schedule(gm, train=train)
+def reorder(gm: fx.GraphModule, *, train: bool = True,
+            training: TrainingSetup | None = None) -> PassResult:
+    """Schedule the graph in the order with the lowest predicted peak (train or inference) of
+    the training ``training`` describes (``fxopt.TrainingSetup``)."""
+    decision = choose_schedule(gm, train=train, training=training)
     if decision.order is None:
         return PassResult(gm, False, decision.stats)
     gm.graph = graph_in_order(gm.graph, decision.order)

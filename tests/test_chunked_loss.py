@@ -366,7 +366,7 @@ def test_hugging_face_causal_lm_is_verified_and_measured_lower(name, outputs):
     gm = fxopt.optimize(model, (), example_kwargs=kwargs,
                         passes=[("chunked_loss", {"outputs": outputs, "chunk_rows": 8})],
                         predict_memory=False)  # verified by optimize itself
-    record, = gm.fxopt_report.passes
+    record, _blocks = gm.fxopt_report.passes
     site, = record.stats["sites"]
     assert record.modified and site["tokens"] == BATCH * SEQ and site["vocab"] == VOCAB
     if name == "gpt2":  # tied: one Parameter is the embedding and the head
@@ -381,31 +381,31 @@ def test_hugging_face_causal_lm_is_verified_and_measured_lower(name, outputs):
 # The planner
 
 
-def test_a_memory_budget_brings_the_pass_in_with_the_smallest_chunk_then_sizes_it():
+def test_a_memory_budget_brings_the_pass_in_with_the_chunk_left_to_the_plan():
     model, inputs = seeded(TinyLM), labels_with_ignored()
     gm = fxopt.optimize(model, inputs, memory_budget="min")
     records = {r.name: r for r in gm.fxopt_report.passes}
     chunked = records["chunked_loss"]
     site, = chunked.stats["sites"]
     assert chunked.modified and chunked.options == {"budget": "min"}
-    assert site["chunk_rows"] == MIN_CHUNK_ROWS  # planned around; then widened after the plan
-    assert "loss_chunk_size" in records  # (tests/test_loss_chunk_size.py)
+    assert site["chunk_rows"] == "open"  # sized by the checkpoint plan
+    assert records["checkpoint"].stats["loss_chunk_rows"] >= MIN_CHUNK_ROWS  # (test_loss_chunk_plan)
     assert chunked.stats["predicted_after"] < chunked.stats["predicted_before"]
     assert 0 < site["loss_share_after"] < 1 and 0 < site["loss_share_before"] < 1
-    assert records["checkpoint"].stats["predicted_before"] == chunked.stats["predicted_after"]
     # an explicit pass list is the user's choice: the budget adds checkpointing only
     listed = fxopt.optimize(model, inputs, memory_budget="min", passes=["reorder"],
                             verify=False, predict_memory=False)
-    assert [r.name for r in listed.fxopt_report.passes] == ["checkpoint", "reorder"]
+    assert [r.name for r in listed.fxopt_report.passes] == ["checkpoint", "reorder", "keep_blocks"]
 
 
-def test_chunk_rows_with_and_without_a_budget():
+def test_chunk_rows_left_open_or_fixed():
     tokens, vocab, hidden = 1024, 32000, 256
     assert auto_chunk_rows(tokens, vocab, hidden, 4) == 64  # 8 MiB of float32 logits
-    for budget in ("min", 0.5, "300MiB", 2**20):  # the smallest, widened after the plan
-        assert decide(tokens, vocab, hidden, 4, budget=budget).chunk_rows == MIN_CHUNK_ROWS
-    assert decide(tokens, vocab, hidden, 4, budget="min", chunk_rows=100).chunk_rows == 100
-    assert decide(8, vocab, hidden, 4).chunk_rows is None  # 8 tokens: nothing to gain
+    auto = decide(tokens, vocab, hidden, 4)
+    assert auto.chunk and auto.chunk_rows is None  # open: auto_chunk_rows, or the plan's size
+    assert auto.added_bytes == (vocab * hidden + tokens * hidden) * 4 + 2 * 64 * vocab * 4
+    assert decide(tokens, vocab, hidden, 4, chunk_rows=100).chunk_rows == 100
+    assert not decide(8, vocab, hidden, 4).chunk  # 8 tokens: nothing to gain
     assert decide(tokens, 100, hidden, 4).reason.startswith("the projection does not widen")
 
 
@@ -417,6 +417,7 @@ def test_optimizing_the_optimized_module_again_changes_nothing(outputs):
     twice = fxopt.optimize(once, inputs, passes=[("chunked_loss", {"outputs": outputs})],
                            predict_memory=False)  # verified against the first
     assert twice.fxopt_report.trace.frontend == "fx"
-    assert [(r.name, r.modified) for r in twice.fxopt_report.passes] == [("chunked_loss", False)]
+    assert [(r.name, r.modified) for r in twice.fxopt_report.passes] == [
+        ("chunked_loss", False), ("keep_blocks", False)]
     assert any(n.target in (chunked_loss_call, chunked_loss_and_logits)
                for n in twice.graph.nodes)

@@ -123,7 +123,8 @@ def test_check_exit_codes_and_json(capsys, monkeypatch):
                         "--json"], capsys)
     document = json.loads(out)
     assert code == 1 and document["schema"] == SCHEMA and not document["ok"]
-    assert document["passes"] == [{"name": "off_by_a_bit", "modified": True}]
+    assert document["passes"] == [{"name": "off_by_a_bit", "modified": True},
+                                   {"name": "keep_blocks", "modified": False}]
     assert [(r["batch_size"], r["seed"], r["inputs"], r["ok"]) for r in document["runs"]] == [
         (8, 0, "example", False), (8, 0, "random", False)]
     assert document["summary"] == {"runs": 2, "failed_runs": 2, "mismatches": 4}

@@ -129,7 +129,7 @@ def _plan_worker(rank: int, init_file: str) -> None:
         costs = costmodel.node_costs(trace(model, x), profile=False)
         gm = fxopt.optimize(model, x, verify=False, predict_memory=False,
                             passes=[("checkpoint", {"budget": BUDGET, "profile": False})])
-        (record,) = gm.fxopt_report.passes
+        record = next(p for p in gm.fxopt_report.passes if p.name == "checkpoint")
         mine = {"seconds": [c.seconds for c in costs.values()], "code": gm.code,
                 "regions": [r.as_dict() for r in record.stats.get("regions", [])]}
         everyone = [None] * WORLD

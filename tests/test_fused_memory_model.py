@@ -20,6 +20,7 @@ import torch
 import torchvision
 
 import fxopt
+from fxopt.core.training_setup import TrainingSetup
 from fxopt.analysis.estimate import estimate_peak, estimate_train_peak, max_batch_size
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.core.errors import BudgetError
@@ -154,7 +155,7 @@ def test_an_optimizer_the_fake_run_cannot_rebuild_still_frees_its_gradients():
     plain = estimate_peak(model, x)
     fused = fxopt.fuse_optimizer(model, lambda params: ScaledSGD(params, 0.5))
     try:
-        estimate = estimate_train_peak(model, x, fused_optimizer=fused)
+        estimate = estimate_train_peak(model, x, training=TrainingSetup(fused_optimizer=fused))
     finally:
         fused.remove()
     assert estimate.fused.parameters == 12 and not estimate.fused.temporaries_modelled
@@ -184,8 +185,9 @@ def test_only_the_fused_optimizer_the_call_names_changes_the_estimate_and_the_pl
     model, x = seeded(WideMLP, 512), torch.randn(2, 512)
     gm = trace(model, x)
 
-    def plan_grads(**fused):
-        problem, _ = build_problem(gm, profile=False, **fused)
+    def plan_grads(fused_optimizer=None):
+        problem, _ = build_problem(gm, profile=False,
+                                   training=TrainingSetup(fused_optimizer=fused_optimizer))
         return [info.grad_bytes for info in problem.nodes]
 
     plain, plain_grads = estimate_peak(model, x), plan_grads()

@@ -69,15 +69,14 @@ def current_property() -> str:
 FORCED = {"pad_channels": {"force": True}}
 
 
-# Passes the pipeline brings in after another: loss_chunk_size follows chunked_loss under a
-# budget and has nothing to act on otherwise, so a subset listing it repeats one that does not.
-FOLLOWERS = {"loss_chunk_size"}
+# Passes every pipeline runs (keep_blocks): a subset listing one repeats one that does not.
+ALWAYS = {spec.name for spec in pass_registry.REGISTRY if spec.always}
 
 
 def pass_combinations() -> list[list | None]:
-    """``None`` (the default pipeline) and every subset of the registry but ``FOLLOWERS``, in
+    """``None`` (the default pipeline) and every subset of the registry but ``ALWAYS``, in
     canonical order."""
-    names = [n for n in pass_registry.REGISTRY.canonical_order() if n not in FOLLOWERS]
+    names = [n for n in pass_registry.REGISTRY.canonical_order() if n not in ALWAYS]
     subsets = [[(n, FORCED[n]) if n in FORCED else n for n in c]
                for r in range(len(names) + 1) for c in itertools.combinations(names, r)]
     return [None, *subsets]
@@ -176,9 +175,11 @@ MIN_CHANGED_SHARE = {
     # example and leave it unchanged (the property), and tests/test_causal_attention.py shows it act.
     (None, "causal_attention"): 0.0,
     # Likewise no language-model loss: tests/test_chunked_loss.py shows it act, and
-    # tests/test_loss_chunk_size.py the widening of its chunks.
+    # tests/test_loss_chunk_plan.py the checkpoint plan sizing its chunks.
     (None, "chunked_loss"): 0.0,
-    (None, "loss_chunk_size"): 0.0,
+    # Random models have no numbered blocks with submodules of their own: tests/test_blocks.py
+    # shows it act.
+    (None, "keep_blocks"): 0.0,
 }
 
 

@@ -295,7 +295,7 @@ def test_pad_then_checkpoint_with_a_budget_still_verifies():
     model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5))
     out = fxopt.optimize(model, (torch.randn(4, 3, 24, 24),),
                          passes="pad{force=true},checkpoint{budget=0.6}")
-    pad_record, checkpoint_record = out.fxopt_report.passes
+    pad_record, checkpoint_record, _blocks = out.fxopt_report.passes
     assert pad_record.modified and checkpoint_record.stats["regions_count"] >= 1
     regions = [getattr(out, n.target) for n in out.graph.nodes
                if n.op == "get_attr" and n.target.startswith("_fxopt_region_")]
@@ -488,7 +488,7 @@ def test_padded_batchnorm_called_twice_under_checkpointing():
     assert reachable is not None
     gm = fxopt.optimize(model, x, passes=passes, memory_budget=reachable)  # verified
     assert [(r.name, r.modified) for r in gm.fxopt_report.passes] == [
-        ("pad_channels", True), ("checkpoint", True)]
+        ("pad_channels", True), ("checkpoint", True), ("keep_blocks", False)]
     assert gm.fxopt_report.passes[1].stats["predicted_after"] <= reachable
 
 

@@ -66,11 +66,25 @@ def fake_registry(monkeypatch):
         ("refuses", _analysis_refuses, ()),
         ("over_budget", _over_budget, ()),
         ("type_error", _type_error_inside, ()),
-        ("checkpoint", _noop, ()),
+        ("helps", _takes_budget, ()),
+        ("keeps_budget", _takes_budget, ()),
+        ("plans", _reads_training, ()),
     ]:
         specs.append(PassSpec(name, fn, name, default=name in ("first", "double"),
-                              aliases=aliases))
+                              aliases=aliases, budget=BUDGET_ROLES.get(name),
+                              reads_training=name == "plans"))
     return PassRegistry(specs)
+
+
+BUDGET_ROLES = {"helps": "joins", "keeps_budget": "keeps"}
+
+
+def _takes_budget(gm, *, budget=None):
+    return PassResult(gm, False, {"budget": budget})
+
+
+def _reads_training(gm, *, training=None):
+    return PassResult(gm, False, {"training": training})
 
 
 def _gm():
@@ -93,17 +107,54 @@ def test_defaults_aliases_and_order(fake_registry):
     assert [s.name for s, _ in Config(passes="f{scale=2}").resolved(fake_registry)] == ["first"]
     with pytest.raises(ConfigError) as info:
         Config(passes=["double", "first"]).resolved(fake_registry)
-    assert ("first, double, no_provenance, lies, crashes, refuses, over_budget, type_error, checkpoint"
-            in str(info.value))
+    assert ("first, double, no_provenance, lies, crashes, refuses, over_budget, type_error, "
+            "helps, keeps_budget, plans" in str(info.value))
     with pytest.raises(ConfigError, match="unknown pass 'nope'"):
         Config(passes=["nope"]).resolved(fake_registry)
     with pytest.raises(ConfigError, match="twice"):
         Config(passes=["first", "f"]).resolved(fake_registry)
 
 
-def test_memory_budget_enables_checkpoint_with_budget(fake_registry):
+def test_a_budget_brings_in_the_passes_that_declare_a_part_in_it(fake_registry):
+    """The pass that keeps a budget joins any list; one that helps joins the default pipeline;
+    both get the budget as their option unless the list sets it."""
     plan = Config(passes=["first"], memory_budget="1GiB").resolved(fake_registry)
-    assert [(s.name, o) for s, o in plan] == [("first", {}), ("checkpoint", {"budget": "1GiB"})]
+    assert [(s.name, o) for s, o in plan] == [("first", {}), ("keeps_budget", {"budget": "1GiB"})]
+    plan = Config(memory_budget="min").resolved(fake_registry)
+    assert [(s.name, o) for s, o in plan] == [
+        ("first", {}), ("double", {}), ("helps", {"budget": "min"}),
+        ("keeps_budget", {"budget": "min"})]
+    plan = Config(passes=[("helps", {"budget": 0.5})], memory_budget="min").resolved(
+        fake_registry)
+    assert [(s.name, o) for s, o in plan] == [("helps", {"budget": 0.5}),
+                                               ("keeps_budget", {"budget": "min"})]
+
+
+def test_a_budget_without_a_pass_that_keeps_it_is_a_config_error():
+    registry = PassRegistry([PassSpec("first", _noop, "first")])
+    with pytest.raises(ConfigError, match="no pass of the registry keeps a budget"):
+        Config(memory_budget=0.5).resolved(registry)
+
+
+def test_the_training_setup_reaches_the_passes_that_read_it(fake_registry):
+    from fxopt.core.training_setup import TrainingSetup
+    training = TrainingSetup(outputs="loss")
+    records = run_passes(_gm(), Config(passes=["first", "plans"], training=training),
+                         fake_registry)
+    assert records[1].stats["training"] is training and "training" not in records[0].stats
+
+
+def test_the_pipeline_names_no_pass():
+    """Every decision about a pass travels by its ``PassSpec``: the pipeline's code names none
+    of the built-in passes."""
+    import inspect
+
+    import passes
+    from fxopt.rewrite import pipeline
+    source = inspect.getsource(pipeline)
+    named = [spec.name for spec in passes.REGISTRY if f'"{spec.name}"' in source
+             or f"'{spec.name}'" in source]
+    assert named == []
 
 
 def test_run_records_and_numerics(fake_registry, tmp_path):

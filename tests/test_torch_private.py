@@ -14,6 +14,7 @@ import re
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 from torch import fx, nn
 
@@ -256,8 +257,8 @@ def test_checkpoint_calls_are_refused_in_the_tracing_thread_only():
     both entry points are torch's own again when the last scope closes."""
     import torch.utils.checkpoint as cp
 
-    before = (cp._checkpoint_without_reentrant_generator_impl,
-              "apply" in vars(cp.CheckpointFunction))
+    entry, _reentrant = private.checkpoint_entries()
+    before = (getattr(cp, entry), "apply" in vars(cp.CheckpointFunction))
 
     class Refused(Exception):
         pass
@@ -292,5 +293,38 @@ def test_checkpoint_calls_are_refused_in_the_tracing_thread_only():
         done.set()
         tracer.join(timeout=30)
     assert results == {"refused False": True, "refused True": True}
-    assert (cp._checkpoint_without_reentrant_generator_impl,
-            "apply" in vars(cp.CheckpointFunction)) == before
+    assert (getattr(cp, entry), "apply" in vars(cp.CheckpointFunction)) == before
+
+
+def test_the_gated_entry_is_the_one_this_torchs_checkpoint_calls(monkeypatch):
+    """torch 2.11's checkpoint() calls ``_checkpoint_without_reentrant_generator``, 2.14's
+    ``..._generator_impl``: the gate finds the name in checkpoint()'s own code, so a release
+    that renames it is gated too (a fixed name left 2.11 ungated, silently)."""
+    import torch.utils.checkpoint as cp
+
+    assert private.checkpoint_entries() == ("_checkpoint_without_reentrant_generator_impl",
+                                            "CheckpointFunction.apply")  # torch 2.14
+
+    def renamed_generator(fn, *args, **kwargs):
+        raise AssertionError("not reached: the gate refuses first")
+    renamed_generator.__module__ = cp.__name__  # as if torch.utils.checkpoint defined it
+
+    def checkpoint_of_another_release(function, *args, use_reentrant=None, **kwargs):
+        gen = _checkpoint_without_reentrant_generator(function)  # noqa: F821 (module global)
+        return gen
+
+    monkeypatch.setattr(cp, "_checkpoint_without_reentrant_generator", renamed_generator,
+                        raising=False)
+    monkeypatch.setattr(cp, "checkpoint", checkpoint_of_another_release)
+    assert private.checkpoint_entries() == ("_checkpoint_without_reentrant_generator",
+                                            "CheckpointFunction.apply")
+
+    class Refused(Exception):
+        pass
+
+    def refuse():
+        raise Refused
+
+    with private.checkpoint_calls_refused(refuse):
+        with pytest.raises(Refused):
+            cp._checkpoint_without_reentrant_generator(torch.sin)

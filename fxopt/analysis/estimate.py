@@ -55,10 +55,12 @@ from fxopt.capture.fake_run import (
     opaque_leaves_stood_in,
     training_flags,
 )
+from fxopt.analysis.blocks import block_parameter_names
 from fxopt.core.errors import BudgetError, InputError
 from fxopt.core.step import as_args, describe_step, training_step
 from fxopt.core.tensors import storage_bytes, tensors_in
 from fxopt.core.torch_private import FakeTensorMode
+from fxopt.core.training_setup import TrainingSetup
 from fxopt.runtime.fused_step import FusedOptimizers
 
 
@@ -108,23 +110,27 @@ class PeakEstimate:
 
 
 def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], Any],
-             fused_optimizer: FusedOptimizers = None,
-             released: frozenset[str] = frozenset()) -> TrainPeak:
+             training: TrainingSetup) -> TrainPeak:
     """The peak of ``step`` run on fakes under the tracker (``grad_bytes``: the parameter
-    gradients the step left that were alive at the peak; 0 for a step without backward).
-    Parameters the user's fused optimizers step in backward are stepped there on the fakes too
-    (``fxopt.analysis.fused_gradients``); the gradients of those named in ``released`` are
-    dropped once accumulated (``gradients_released``)."""
-    real = dict(module.named_parameters(remove_duplicate=False)) if step is _train else {}
+    gradients the step left that were alive at the peak; 0 for a step without backward), in the
+    precision ``training`` runs in. Parameters the user's fused optimizers step in backward are
+    stepped there on the fakes too (``fxopt.analysis.fused_gradients``); under per-block
+    sharding the gradients of the blocks' parameters are dropped once accumulated
+    (``gradients_released``). Workspaces measured on the device (``training.device_memory``)
+    are held while their op runs."""
+    train = step is _train
+    real = dict(module.named_parameters(remove_duplicate=False)) if train else {}
+    fused_optimizer = training.fused_optimizer if train else None
+    released = released_gradients(module, training) if train else frozenset()
     with opaque_leaves_stood_in(module), on_fake_tensors(module, example_inputs) as run, \
             gradients_tagged(run.state.values()), \
             gradients_released(run.state, released), \
             fused_steps_on_fakes(module, real, run.state, fused_optimizer) as fused:
         for t in run.state.values():
             t.grad = None
-        tracker = LiveStorageTracker()
+        tracker = LiveStorageTracker(device_memory=training.device_memory)
         try:
-            with tracker:
+            with tracker, training.precision():
                 described = step(module, run.inputs)
         except InputError:  # an opaque leaf asked at sizes it was not run at says so itself
             raise
@@ -187,30 +193,51 @@ def _train(module: nn.Module, inputs: tuple) -> str:
         return describe_step(training_step(module, inputs))
 
 
+def released_gradients(module: nn.Module, training: TrainingSetup) -> frozenset[str]:
+    """Parameters whose gradients leave once accumulated: under per-block FSDP2
+    (``training.sharded_blocks``), those of the blocks ``module``'s graph runs
+    (``fxopt.analysis.blocks.block_parameter_names``); else none."""
+    graph = getattr(module, "graph", None)
+    if not training.sharded_blocks or graph is None:
+        return frozenset()
+    return block_parameter_names(module, graph)
+
+
 def estimate_train_peak(module: nn.Module, example_inputs: Any, *,
-                        fused_optimizer: FusedOptimizers = None,
-                        released_gradients: frozenset[str] = frozenset()) -> TrainPeak:
-    """Predicted training-step peak of ``module`` on ``example_inputs`` (no inference run);
-    ``fused_optimizer``: the ``FusedOptimizer`` (or several) stepping its parameters in backward;
-    ``released_gradients``: parameters whose gradients leave once accumulated (per-block FSDP2:
-    ``fxopt.analysis.blocks.block_parameter_names``)."""
-    return _tracked(module, example_inputs, _train, fused_optimizer, released_gradients)
+                        training: TrainingSetup | None = None) -> TrainPeak:
+    """Predicted training-step peak of ``module`` on ``example_inputs`` (no inference run), for
+    the training ``training`` describes (default: full precision, no fused optimizer step, not
+    sharded)."""
+    return _tracked(module, example_inputs, _train, training or TrainingSetup())
 
 
-def estimate_inference_peak(module: nn.Module, example_inputs: Any) -> int:
-    """Predicted inference peak (bytes, baseline included) of ``module`` (no training run)."""
-    return _tracked(module, example_inputs, _inference).bytes
+def estimate_inference_peak(module: nn.Module, example_inputs: Any, *,
+                            training: TrainingSetup | None = None) -> int:
+    """Predicted inference peak (bytes, baseline included) of ``module`` (no training run), in
+    ``training``'s precision."""
+    return _tracked(module, example_inputs, _inference, training or TrainingSetup()).bytes
 
 
 def estimate_peak(module: nn.Module, example_inputs: Any, *,
-                  fused_optimizer: FusedOptimizers = None) -> PeakEstimate:
-    """Predicted training-step and inference peaks of ``module`` on ``example_inputs``;
-    ``fused_optimizer``: what ``fxopt.fuse_optimizer`` returned for the training, if it fuses."""
-    train = estimate_train_peak(module, example_inputs, fused_optimizer=fused_optimizer)
-    inference = _tracked(module, example_inputs, _inference)
+                  fused_optimizer: FusedOptimizers = None,
+                  training: TrainingSetup | None = None) -> PeakEstimate:
+    """Predicted training-step and inference peaks of ``module`` on ``example_inputs``, for the
+    training ``training`` describes (``fxopt.TrainingSetup``); ``fused_optimizer``: what
+    ``fxopt.fuse_optimizer`` returned for the training, if it fuses (a shorthand for
+    ``training=TrainingSetup(fused_optimizer=...)``)."""
+    training = _setup(training, fused_optimizer)
+    train = estimate_train_peak(module, example_inputs, training=training)
+    inference = _tracked(module, example_inputs, _inference, training)
     return PeakEstimate(train.bytes, inference.bytes, train.baseline_bytes, train.op,
                         inference.op, train.grad_bytes, train.fused.optimizer_state_bytes,
                         train.fused.parameters, train.optimizer_step_bytes, train.backward_from)
+
+
+def _setup(training: TrainingSetup | None, fused_optimizer: FusedOptimizers) -> TrainingSetup:
+    training = training or TrainingSetup()
+    if fused_optimizer is not None:
+        training = training.with_(fused_optimizer=fused_optimizer)
+    return training
 
 
 def resized_inputs(example_inputs: Any, batch: int, batch_dim: int = 0) -> tuple:
@@ -236,15 +263,16 @@ _LARGEST_REFERENCE = 2**20
 
 
 def max_batch_size(model: nn.Module, example_inputs: Any, budget_bytes: int, *,
-                   batch_dim: int = 0, fused_optimizer: FusedOptimizers = None) -> int:
+                   batch_dim: int = 0, fused_optimizer: FusedOptimizers = None,
+                   training: TrainingSetup | None = None) -> int:
     """Largest batch whose predicted training peak is at most ``budget_bytes``."""
     peaks: dict[int, int] = {}
+    training = _setup(training, fused_optimizer)
 
     def peak(batch: int) -> int:
         if batch not in peaks:
             inputs = resized_inputs(example_inputs, batch, batch_dim)
-            peaks[batch] = estimate_train_peak(model, inputs,
-                                               fused_optimizer=fused_optimizer).bytes
+            peaks[batch] = estimate_train_peak(model, inputs, training=training).bytes
         return peaks[batch]
 
     if peak(1) > budget_bytes:

@@ -21,9 +21,11 @@ allocator hands out for it (``fxopt.core.tensors.allocated_bytes``: its size rou
 multiple of 512 bytes, as ``torch.cuda.max_memory_allocated`` counts it with the allocator's
 default settings); so a prediction made on a machine without a GPU, on fake CUDA tensors, is in
 the allocator's units.
-Workspaces that cuBLAS/cuDNN allocate outside tensors are not seen, nor are storages resized in
-place (``untyped_storage().resize_()``, how FSDP2 frees and re-allocates the gathered
-parameters between uses) unless the tracker is built with ``follow_resizes=True``: it then reads
+Workspaces that cuBLAS/cuDNN allocate outside tensors are not seen unless the tracker is given
+their sizes as measured on the device (``device_memory``: each is counted as live while its op
+runs, then gone). Storages resized in place (``untyped_storage().resize_()``, how FSDP2 frees and
+re-allocates the gathered parameters between uses) are not seen unless the tracker is built with
+``follow_resizes=True``: it then reads
 each live storage's size before and after every op (O(live) per op; for measurements of small
 models, e.g. FSDP2 on CPU).
 
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 
 from fxopt.core.tensors import allocated_bytes, storage_key, tensors_in
+from fxopt.core.training_setup import DeviceMemory, op_signature
 from fxopt.core.torch_private import StorageWeakRef
 from fxopt.core.torch_private import TorchDispatchMode
 
@@ -87,8 +90,10 @@ class LiveStorageTracker(TorchDispatchMode):
     ``timeline`` (with ``record_timeline=True``) lists ``(op name, live bytes)`` after each op.
     """
 
-    def __init__(self, *, record_timeline: bool = False, follow_resizes: bool = False) -> None:
+    def __init__(self, *, record_timeline: bool = False, follow_resizes: bool = False,
+                 device_memory: DeviceMemory | None = None) -> None:
         super().__init__()
+        self.device_memory = device_memory
         self.current_bytes = 0
         self.peak_bytes = 0
         self.peak_op = ""
@@ -151,9 +156,21 @@ class LiveStorageTracker(TorchDispatchMode):
                 self._add(t, name)
         if self.record_timeline or self.follow_resizes:
             self._collect_freed()
+        if self.device_memory is not None:
+            self._note_workspace(func, args, kwargs, name)
         if self.record_timeline:
             self.timeline.append((name, self.current_bytes))
         return out
+
+    def _note_workspace(self, func: Any, args: Any, kwargs: Any, name: str) -> None:
+        """A workspace the device's kernel for this op holds while it runs (measured,
+        ``fxopt.core.training_setup.DeviceMemory``): a peak of its own, never live after it."""
+        workspace = self.device_memory.workspace(op_signature(func, args, kwargs))
+        if workspace and self.current_bytes + workspace > self.peak_bytes:
+            self._collect_freed()
+            self.current_bytes += workspace
+            self._note_peak(f"{name} (workspace)")
+            self.current_bytes -= workspace
 
     @property
     def tagged_bytes_at_peak(self) -> dict[str, int]:

@@ -23,9 +23,6 @@ value holds; code uses the constants, never the strings.
   from a real run (an opaque leaf that cannot run on fake tensors); absent for fake runs.
 - ``LEAF`` (``"fxopt_leaf"``): an opaque leaf's recorded real run(s)
   (``fxopt.capture.leaf_tape``).
-- ``CHUNK_ROWS`` (``"fxopt_chunk_rows"``): on a chunked-loss call, ``"auto"`` when
-  ``passes.chunked_loss`` chose its ``chunk_rows`` (``passes.loss_chunk_size`` may widen it) or
-  ``"given"`` when the user did.
 - ``NN_MODULE_STACK`` (``"nn_module_stack"``, torch's own): the modules the node runs in,
   ``{key: (path, kind)}`` outermost first, ``kind`` a class (symbolic tracing) or its qualified
   name (torch.export). Read it with ``module_stack(node)``.
@@ -44,7 +41,6 @@ PASS = "fxopt_pass"
 SAVED = "fxopt_saved"
 META_SOURCE = "fxopt_meta_source"
 LEAF = "fxopt_leaf"
-CHUNK_ROWS = "fxopt_chunk_rows"
 NN_MODULE_STACK = "nn_module_stack"
 
 REAL = "real"  # META_SOURCE's value for metadata from a real run

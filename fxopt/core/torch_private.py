@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -282,9 +283,38 @@ def export_guards(program: Any) -> list[str] | None:
 BARE_SET_GRAD_ENABLED = torch._C._set_grad_enabled
 
 
-# Where torch.utils.checkpoint dispatches: the non-reentrant generator and the reentrant
-# autograd Function's ``apply`` (a torch without one of them is left as it is).
-_CHECKPOINT_ENTRIES = ("_checkpoint_without_reentrant_generator_impl", "CheckpointFunction.apply")
+# Where torch.utils.checkpoint dispatches: the reentrant autograd Function's ``apply``, and the
+# non-reentrant generator ``checkpoint()`` calls through the module's globals. That one's name
+# changes between releases (``_checkpoint_without_reentrant_generator`` in 2.11,
+# ``..._generator_impl`` in 2.14), so it is read off ``checkpoint``'s own code: whatever name
+# this torch's ``checkpoint()`` calls is the one gated.
+_NON_REENTRANT_PREFIX = "_checkpoint_without_reentrant"
+_REENTRANT_ENTRY = "CheckpointFunction.apply"
+
+
+def checkpoint_entries() -> tuple[str, ...]:
+    """The entry points of this torch's ``torch.utils.checkpoint.checkpoint`` that
+    ``checkpoint_calls_refused`` gates: the reentrant ``CheckpointFunction.apply`` and every
+    module-level non-reentrant generator ``checkpoint()`` calls."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    generators, seen = [], set()
+    frontier = [torch_checkpoint.checkpoint]
+    for _depth in range(4):  # checkpoint() -> [_checkpoint_impl() ->] the generator
+        called = []
+        for function in frontier:
+            for name in inspect.unwrap(function).__code__.co_names:
+                found = getattr(torch_checkpoint, name, None)
+                if (name in seen or not inspect.isfunction(found)
+                        or found.__module__ != torch_checkpoint.__name__):
+                    continue
+                seen.add(name)
+                if name.startswith(_NON_REENTRANT_PREFIX):
+                    generators.append(name)
+                else:
+                    called.append(found)
+        frontier = called
+    return (*generators, _REENTRANT_ENTRY)
 _CHECKPOINT_REFUSAL: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
     "fxopt_checkpoint_refusal", default=None)
 _GATES_LOCK = threading.Lock()
@@ -307,7 +337,7 @@ def _install_checkpoint_gates() -> list[Callable[[], None]]:
     from torch.utils import checkpoint as torch_checkpoint
 
     restore = []
-    for path in _CHECKPOINT_ENTRIES:
+    for path in checkpoint_entries():
         owner_name, _, name = path.rpartition(".")
         owner = getattr(torch_checkpoint, owner_name) if owner_name else torch_checkpoint
         entry = getattr(owner, name, None)

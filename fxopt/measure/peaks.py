@@ -26,12 +26,15 @@ activations.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from fxopt.analysis.estimate import gradients_released, released_gradients
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.core.errors import InputError
 from fxopt.core.inputs import bind_keywords, refuse_meta_tensors
@@ -39,6 +42,8 @@ from fxopt.core.state import preserved_state
 from fxopt.core.step import FROM_LOSS, as_args, describe_step, training_step
 from fxopt.core.tensors import format_bytes, module_device, storage_bytes
 from fxopt.core.torch_private import compiled_modules, uncompiled
+from fxopt.core.training_setup import TrainingSetup
+from fxopt.runtime.fused_step import fused_parameters
 from fxopt.measure.allocations import cuda_peak_during, peak_allocated_during
 
 
@@ -115,7 +120,8 @@ def _describe(device: torch.device) -> str:
 
 
 def _measure(module: nn.Module, example_inputs: Any, mode: str,
-             example_kwargs: dict[str, Any] | None = None) -> MemoryFigure:
+             example_kwargs: dict[str, Any] | None = None,
+             training: TrainingSetup | None = None) -> MemoryFigure:
     inputs = as_args(example_inputs)
     if example_kwargs:
         inputs = bind_keywords(uncompiled(module), inputs, example_kwargs)
@@ -140,7 +146,8 @@ def _measure(module: nn.Module, example_inputs: Any, mode: str,
 
         def run() -> None:
             if mode == "train":
-                described.append(describe_step(training_step(module, inputs)))
+                with as_planned(module, training):
+                    described.append(describe_step(training_step(module, inputs)))
             else:
                 with torch.no_grad():
                     module(*inputs)
@@ -196,10 +203,31 @@ def refuse_compiled(what: str, module: nn.Module) -> None:
                  "blocks); fxopt.measure(compiled, inputs) measures the compiled peaks")
 
 
+@contextlib.contextmanager
+def as_planned(module: nn.Module, training: TrainingSetup | None) -> Iterator[None]:
+    """Inside: a real training step of ``module`` holds what the step ``training`` describes
+    holds, without changing a weight: its autocast, and the gradients a fused optimizer step
+    (paused inside fxopt's runs) or per-block FSDP2 would free dropped as soon as they are
+    accumulated (the step's own temporaries are not run)."""
+    if training is None:
+        yield
+        return
+    names = released_gradients(module, training)
+    fused = {id(p) for p in fused_parameters(module, training.fused_optimizer)}
+    dropped = {id(p): p for name, p in module.named_parameters(remove_duplicate=False)
+               if (name in names or id(p) in fused) and p.requires_grad}
+    with gradients_released({str(i): p for i, p in dropped.items()},
+                            frozenset(map(str, dropped))), training.precision():
+        yield
+
+
 def measure_train_step(module: nn.Module, example_inputs: Any,
-                       example_kwargs: dict[str, Any] | None = None) -> MemoryFigure:
-    """Measured peak of one forward + backward (grads start as None)."""
-    return _measure(module, example_inputs, "train", example_kwargs)
+                       example_kwargs: dict[str, Any] | None = None, *,
+                       training: TrainingSetup | None = None) -> MemoryFigure:
+    """Measured peak of one forward + backward (grads start as None); ``training``: measure the
+    step as planned for it (``as_planned``: its autocast, and gradients a fused optimizer step or
+    per-block sharding frees, dropped at accumulation)."""
+    return _measure(module, example_inputs, "train", example_kwargs, training)
 
 
 def measure_inference(module: nn.Module, example_inputs: Any,

@@ -18,7 +18,8 @@ from fxopt.core.step import FROM_LOSS
 from fxopt.measure.peaks import MemoryReport, format_bytes
 from fxopt.rewrite.pass_base import stats_lines
 from fxopt.rewrite.pipeline import PassRecord
-from fxopt.runtime.fused_step import FusedOptimizers
+from fxopt.core.training_setup import TrainingSetup
+from fxopt.measure.budget_check import BudgetCheck
 from fxopt.verify.equivalence import VerifyReport
 
 _FRONTENDS = {"fx": "fx (symbolic tracing)", "export": "export (torch.export)"}
@@ -35,6 +36,9 @@ class Report:
     predicted_before: PeakEstimate | str | None = None  # str: why there is no prediction
     predicted_after: PeakEstimate | str | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds
+    training: TrainingSetup | None = None  # the training step planned for
+    verified_where: str = ""  # where verification ran (``fxopt.verify.fitting``)
+    budget_check: BudgetCheck | None = None  # the planned module's real peak against the budget
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -53,11 +57,18 @@ class Report:
             "predicted_before": _predicted_dict(self.predicted_before),
             "predicted_after": _predicted_dict(self.predicted_after),
             "seconds": {**self.seconds, "total": self.total_seconds},
+            "training": self.training.describe() if self.training else None,
+            "verified_where": self.verified_where,
+            "budget_check": (None if self.budget_check is None else
+                             {"budget_bytes": self.budget_check.budget_bytes,
+                              "rounds": self.budget_check.rounds,
+                              "device": self.budget_check.device}),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a Report pickled by an earlier fxopt lacks the fields added since
-        self.__dict__.update({"seconds": {}, **state})
+        self.__dict__.update({"seconds": {}, "training": None, "verified_where": "",
+                              "budget_check": None, **state})
 
     @property
     def total_seconds(self) -> float:
@@ -75,6 +86,8 @@ class Report:
         lines.extend(f"    {line}" for line in getattr(self.trace, "leaf_runs", ()))
         for name, why in self.trace.not_used:
             lines.append(f"    {name} not used: {why}")
+        if self.training is not None:
+            lines.append(f"  planned for a training step on {self.training.describe()}")
         if not self.passes:
             lines.append("  passes: none ran")
         for record in self.passes:
@@ -87,8 +100,11 @@ class Report:
                             self.memory_after)
         if table:
             lines.append(table)
+        if self.budget_check is not None:
+            lines.append(f"  budget check: {self.budget_check}")
         if self.verification is not None:
-            lines.append(f"  verification: {self.verification}")
+            where = f"; ran at {self.verified_where}" if self.verified_where else ""
+            lines.append(f"  verification: {self.verification}{where}")
         if self.seconds:
             phases = ", ".join(f"{name} {value:.2f}" for name, value in self.seconds.items())
             lines.append(f"  time: {self.total_seconds:.2f} s ({phases})")
@@ -126,11 +142,12 @@ def _memory_dict(report: MemoryReport | None) -> dict[str, Any] | None:
     return {"train": report.train.as_dict(), "inference": report.inference.as_dict()}
 
 
-def predicted_peaks(gm: fx.GraphModule, fused_optimizer: FusedOptimizers = None
+def predicted_peaks(gm: fx.GraphModule, training: TrainingSetup | None = None
                     ) -> PeakEstimate | str:
-    """``estimate_peak`` of ``gm`` on its placeholders' fake values, or why it cannot be had."""
+    """``estimate_peak`` of ``gm`` on its placeholders' fake values for the training
+    ``training`` describes, or why it cannot be had."""
     try:
-        return estimate_peak(gm, placeholder_values(gm), fused_optimizer=fused_optimizer)
+        return estimate_peak(gm, placeholder_values(gm), training=training)
     except InputError as error:
         return error.what
 

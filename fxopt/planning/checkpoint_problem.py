@@ -13,9 +13,11 @@ from torch import fx
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.analysis.blocks import node_blocks
 from fxopt.analysis.costmodel import node_costs
+from fxopt.analysis.estimate import released_gradients
 from fxopt.analysis.writes import overwritten_inputs
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.tensors import allocated_bytes, tensor_bytes
+from fxopt.core.training_setup import TrainingSetup
 from fxopt.planning.solver import CheckpointProblem, NodeInfo
 from fxopt.runtime.fused_step import FusedOptimizers, fused_parameters
 from fxopt.runtime.input_guard import guard_inputs
@@ -168,22 +170,23 @@ def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
 
 
 def build_problem(gm: fx.GraphModule, *, profile: bool = True,
-                  fused_optimizer: FusedOptimizers = None, regions_across_blocks: bool = False,
-                  released_gradients: frozenset[str] = frozenset()
+                  training: TrainingSetup | None = None, regions_across_blocks: bool = False
                   ) -> tuple[CheckpointProblem, list[fx.Node]]:
     """The solver's view of ``gm``, and the forward nodes in the order the problem lists them.
 
     ``profile=False`` costs nodes by the roofline alone, at fixed rates
     (``fxopt.analysis.costmodel.node_costs``): the problem, and every plan made from it, is the
     same in every process.
-    ``fused_optimizer``: the user's fused optimizer step (``fxopt.fuse_optimizer``), if any.
+    ``training``: the training step planned for (``fxopt.core.training_setup``): its precision,
+    the user's fused optimizer step (a gradient freed at its step does not pile up) and
+    per-block sharding (a block's gradients leave when its backward ends).
     ``regions_across_blocks``: let regions span repeated blocks (which then cannot stay calls).
-    ``released_gradients``: parameters whose gradients leave as soon as they are accumulated
-    (``fxopt.analysis.blocks.block_parameter_names`` under per-block FSDP2).
     """
+    training = training or TrainingSetup()
     roots = alias_roots(gm)
     rep = representatives(gm, roots)
-    saved = saved_for_backward(gm, placeholder_values(gm))
+    with training.precision():
+        saved = saved_for_backward(gm, placeholder_values(gm))
     costs = node_costs(gm, profile=profile)
     forward = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
     value_bytes: dict[str, int] = {}
@@ -198,7 +201,8 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True,
 
     in_block = node_blocks(gm, gm.graph)
     blocks = [in_block[node] for node in forward]
-    grads = _first_use_grad_bytes(gm, forward, fused_optimizer, released_gradients)
+    grads = _first_use_grad_bytes(gm, forward, training.fused_optimizer,
+                                  released_gradients(gm, training))
     grad_live = _grad_live_bytes(forward, rep, value_bytes)
     infos = []
     for i, node in enumerate(forward):

@@ -27,6 +27,7 @@ from torch import fx, nn
 
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.analysis.estimate import estimate_inference_peak, estimate_train_peak
+from fxopt.core.training_setup import TrainingSetup
 from fxopt.analysis.randomness import draws_random_numbers
 from fxopt.analysis.writes import overwritten_inputs
 from fxopt.core.graphs import placeholder_values
@@ -183,8 +184,10 @@ class ScheduleDecision:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def choose_schedule(gm: fx.GraphModule, *, train: bool = True) -> ScheduleDecision:
-    """The candidate order with the lowest predicted peak (train or inference), or None.
+def choose_schedule(gm: fx.GraphModule, *, train: bool = True,
+                    training: TrainingSetup | None = None) -> ScheduleDecision:
+    """The candidate order with the lowest predicted peak (train or inference) of the training
+    ``training`` describes, or None.
 
     Candidate orders are screened by ``static_peak``; only when some candidate promises a lower
     peak than the original are the original and the promising candidates scored by
@@ -206,8 +209,9 @@ def choose_schedule(gm: fx.GraphModule, *, train: bool = True) -> ScheduleDecisi
     for name in ["original", *promising]:
         graph = gm.graph if name == "original" else graph_in_order(gm.graph, orders[name])
         candidate = graph_module_like(gm, graph)
-        scores[name] = (estimate_train_peak(candidate, inputs).bytes if train
-                        else estimate_inference_peak(candidate, inputs))
+        scores[name] = (estimate_train_peak(candidate, inputs, training=training).bytes
+                        if train else estimate_inference_peak(candidate, inputs,
+                                                              training=training))
     best = min(scores, key=lambda k: (scores[k], k != "original"))
     stats.update({"strategy": best, "predicted_before": scores["original"],
                   "predicted_after": scores[best], "candidates": scores})

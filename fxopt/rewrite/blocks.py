@@ -47,8 +47,10 @@ from fxopt.core.modules import (
     own_tensors,
     replace_child,
 )
-from fxopt.rewrite.pass_base import PassResult
+from fxopt.rewrite.pass_base import PassResult, mark_new
 from fxopt.runtime.regions import CheckpointedRegion
+
+PASS_NAME = "keep_blocks"
 
 META_KEY = meta_keys.BLOCKS
 
@@ -238,6 +240,7 @@ def _call_block(graph: fx.Graph, segment: _Segment, names: list[str]) -> None:
     with graph.inserting_after(last):
         call = graph.call_module(segment.path, tuple(segment.inputs.get(n) for n in names))
     call.meta[meta_keys.NN_MODULE_STACK] = {segment.path: (segment.path, "block")}
+    mark_new(call, PASS_NAME)
     values = [o.meta.get("val") for o in segment.outputs]
     anchor = call
     if len(segment.outputs) == 1:
@@ -250,6 +253,7 @@ def _call_block(graph: fx.Graph, segment: _Segment, names: list[str]) -> None:
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(operator.getitem, (call, index))
             anchor.meta = {"val": output.meta.get("val")}
+            mark_new(anchor, PASS_NAME)
             replacements.append(anchor)
     for node in segment.after:
         anchor.append(node)

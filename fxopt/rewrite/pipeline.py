@@ -22,7 +22,7 @@ from fxopt.core.errors import BudgetError, ConfigError, FxoptError, PassError
 from fxopt.rewrite.invariants import lint_after_pass, snapshot
 from fxopt.rewrite.pass_base import plain_stats
 from fxopt.rewrite.registry import PassRegistry, PassSpec
-from fxopt.runtime.fused_step import FusedOptimizers
+from fxopt.core.training_setup import TrainingSetup
 
 PassRequest = str | tuple[str, dict[str, Any]]
 
@@ -66,31 +66,20 @@ def parse_pass_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
 
 @dataclass
 class Config:
-    """What to run. ``passes=None`` means the registry's default passes (with a memory budget,
-    also ``chunked_loss``); the budget goes to ``checkpoint`` and ``chunked_loss``, and brings in
-    ``loss_chunk_size`` after them when ``chunked_loss`` runs (its chunks are sized after the
-    plan).
-    ``fused_optimizer``: the user's optimizer step fused into backward (``fxopt.fuse_optimizer``),
-    handed to every pass that takes a ``fused_optimizer`` option (not recorded in its options).
-    ``shard_blocks``: the module will be sharded with FSDP2 per block, handed likewise to every
-    pass that takes a ``shard_blocks`` option."""
+    """What to run. ``passes=None`` means the registry's default passes. A ``memory_budget``
+    brings in the passes that declare a part in it (``PassSpec.budget``: the one that keeps it
+    into any list, the ones that join it into the default pipeline) and is their ``budget``
+    option. ``training`` describes the training step the passes plan for
+    (``fxopt.TrainingSetup``), given to every pass that declares ``reads_training``."""
 
     passes: list[PassRequest] | str | None = None
     memory_budget: int | float | str | None = None
     dump_dir: str | Path | None = None
-    fused_optimizer: FusedOptimizers = None
-    shard_blocks: bool = False
+    training: TrainingSetup = field(default_factory=TrainingSetup)
 
     def given(self, spec: PassSpec) -> dict[str, Any]:
-        """What the training the passes plan for tells ``spec`` beyond its options: the fused
-        optimizer and per-block sharding, to a pass whose function takes them."""
-        takes = inspect.signature(spec.run).parameters
-        given: dict[str, Any] = {}
-        if self.fused_optimizer is not None and "fused_optimizer" in takes:
-            given["fused_optimizer"] = self.fused_optimizer
-        if self.shard_blocks and "shard_blocks" in takes:
-            given["shard_blocks"] = True
-        return given
+        """What the pipeline hands ``spec`` besides its options, as its spec declares."""
+        return {"training": self.training} if spec.reads_training else {}
 
     def resolved(self, registry: PassRegistry) -> list[tuple[PassSpec, dict[str, Any]]]:
         """The passes of ``registry`` to run with their options, validated, in canonical order."""
@@ -118,31 +107,36 @@ class Config:
                 f"passes {names} are out of order",
                 hint=f"list them in the canonical order: {', '.join(order)}",
             )
+        _bring_in(resolved, registry, [spec for spec in registry if spec.always])
         if self.memory_budget is not None:
-            if registry.lookup("checkpoint") is None:
-                raise ConfigError(
-                    "memory_budget was given but no checkpointing pass is available",
-                    hint="drop memory_budget, or install an fxopt with the checkpoint pass",
-                )
-            _bring_in(resolved, registry, "checkpoint", order)
-            if self.passes is None:  # the default pipeline under a budget
-                _bring_in(resolved, registry, "chunked_loss", order)
-            if any(spec.name == "chunked_loss" for spec, _ in resolved):
-                _bring_in(resolved, registry, "loss_chunk_size", order)  # sized after the plan
+            _bring_in_for_budget(resolved, registry, default_pipeline=self.passes is None)
             for spec, options in resolved:
-                if spec.name in ("checkpoint", "chunked_loss"):
+                if spec.budget is not None:
                     options.setdefault("budget", self.memory_budget)
         return resolved
 
 
+def _bring_in_for_budget(resolved: list[tuple[PassSpec, dict[str, Any]]],
+                         registry: PassRegistry, *, default_pipeline: bool) -> None:
+    """Add the passes a memory budget brings in (``PassSpec.budget``) to ``resolved``, in
+    canonical order: those that keep it always, those that join it in the default pipeline."""
+    keepers = [spec for spec in registry if spec.budget == "keeps"]
+    if not keepers:
+        raise ConfigError(
+            "memory_budget was given but no pass of the registry keeps a budget",
+            hint="drop memory_budget, or use fxopt's own registry (passes.REGISTRY)")
+    wanted = keepers + ([spec for spec in registry if spec.budget == "joins"]
+                        if default_pipeline else [])
+    _bring_in(resolved, registry, wanted)
+
+
 def _bring_in(resolved: list[tuple[PassSpec, dict[str, Any]]], registry: PassRegistry,
-              name: str, order: list[str]) -> None:
-    """Add pass ``name`` of ``registry`` to ``resolved`` in canonical order, unless it is there
-    already or not registered."""
-    spec = registry.lookup(name)
-    if spec is not None and all(s.name != spec.name for s, _ in resolved):
-        resolved.append((spec, {}))
-        resolved.sort(key=lambda item: order.index(item[0].name))
+              wanted: list[PassSpec]) -> None:
+    """Add each of ``wanted`` not in ``resolved`` yet, keeping the canonical order."""
+    present = {spec.name for spec, _ in resolved}
+    resolved.extend((spec, {}) for spec in wanted if spec.name not in present)
+    order = registry.canonical_order()
+    resolved.sort(key=lambda item: order.index(item[0].name))
 
 
 @dataclass

@@ -17,16 +17,40 @@ from fxopt.core.errors import ConfigError
 from fxopt.rewrite.pass_base import PassResult
 
 
+BUDGET_ROLES = (None, "keeps", "joins")
+
+
 @dataclass(frozen=True)
 class PassSpec:
     """A pass as the pipeline knows it: its canonical name, the function, a one-line summary
-    (CLI help), whether the default pipeline runs it, and accepted short aliases."""
+    (CLI help), whether the default pipeline runs it, and accepted short aliases; and what it
+    needs from the pipeline, declared here so the pipeline never names a pass:
+
+    - ``budget``: the pass's part in a memory budget (``fxopt.optimize(memory_budget=...)``):
+      ``"keeps"`` (it is what meets the budget: a budget brings it into any pass list, and
+      without such a pass a budget is an error), ``"joins"`` (it helps: a budget brings it into
+      the default pipeline), or None. Either way the budget is given to the pass as its
+      ``budget`` option, unless the pass list sets that option itself.
+    - ``reads_training``: the pass plans for the training step and takes the pipeline's
+      ``fxopt.TrainingSetup`` as its ``training`` option.
+    - ``always``: every pipeline runs it, named in a pass list or not (a structural step the
+      optimized module's contract depends on, such as keeping the model's blocks as calls).
+    """
 
     name: str
     run: Callable[..., PassResult]
     summary: str
     default: bool = True
     aliases: tuple[str, ...] = ()
+    budget: str | None = None
+    reads_training: bool = False
+    always: bool = False
+
+    def __post_init__(self) -> None:
+        if self.budget not in BUDGET_ROLES:
+            raise ConfigError(f"pass {self.name!r}: budget={self.budget!r} is not one of "
+                              f"{BUDGET_ROLES}", hint="'keeps': the pass meets a memory budget; "
+                              "'joins': it helps the default pipeline meet one")
 
 
 class PassRegistry:
@@ -45,9 +69,15 @@ class PassRegistry:
         return {n for s in self._specs.values() for n in (s.name, *s.aliases)}
 
     def with_pass(self, spec: PassSpec, *, before: str | None = None) -> PassRegistry:
-        """A new registry with ``spec`` added at the end, or just before the pass ``before``."""
+        """A new registry with ``spec`` added at the end (before the structural passes every
+        pipeline ends with, ``PassSpec.always``), or just before the pass ``before``."""
         specs = list(self._specs.values())
-        index = len(specs) if before is None else self.canonical_order().index(before)
+        if before is not None:
+            index = self.canonical_order().index(before)
+        else:
+            index = len(specs)
+            while index and specs[index - 1].always and not spec.always:
+                index -= 1
         return PassRegistry([*specs[:index], spec, *specs[index:]])
 
     def canonical_order(self) -> list[str]:
@@ -61,7 +91,7 @@ class PassRegistry:
         return None
 
     def defaults(self) -> list[PassSpec]:
-        return [s for s in self._specs.values() if s.default]
+        return [s for s in self._specs.values() if s.default or s.always]
 
     def __iter__(self) -> Iterator[PassSpec]:
         return iter(list(self._specs.values()))

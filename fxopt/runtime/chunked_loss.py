@@ -4,7 +4,7 @@
 targets)`` into ``chunked_loss(hidden, W, b, targets, ...)`` (or ``chunked_loss_and_logits``
 when the logits are also used, e.g. returned). The batch x sequence x vocab tensors of the
 original (the saved log-softmax, its gradient, the logits' gradient) never exist: for each chunk of
-``chunk_rows`` tokens the forward computes the chunk's logits, its part of the loss, and the
+``chunk_rows`` tokens (``auto_chunk_rows`` when the graph leaves it None) the forward computes the chunk's logits, its part of the loss, and the
 gradient of the loss with respect to the chunk's logits, and folds that gradient straight into the
 gradients for ``hidden`` (one row block) and ``W`` (accumulated in place, ``addmm_``) and ``b``.
 Only those are kept for backward (the approach of Liger's fused linear cross-entropy), which
@@ -53,6 +53,25 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+MIN_CHUNK_ROWS = 16
+TARGET_CHUNK_BYTES = 8 * 2**20
+
+
+def floor_pow2(n: int) -> int:
+    """The largest power of two at most ``n`` (1 for n < 2)."""
+    return 1 << max(0, int(n).bit_length() - 1)
+
+
+def auto_chunk_rows(tokens: int, vocab: int, hidden: int, itemsize: int) -> int:
+    """Tokens per chunk when the graph leaves the size open (``chunk_rows=None``): large enough
+    that each chunk's matmuls stay efficient, small enough that the chunk's temporaries are a
+    small part of what chunking removes: the rows whose chunk x vocab logits are as large as the
+    larger of the hidden states (already alive at that point, Liger's rule) and
+    ``TARGET_CHUNK_BYTES``, as a power of two, at least ``MIN_CHUNK_ROWS``, at most ``tokens``."""
+    target = max(tokens * hidden * itemsize, TARGET_CHUNK_BYTES)
+    rows = max(MIN_CHUNK_ROWS, floor_pow2(max(1, target // (vocab * itemsize))))
+    return max(1, min(rows, tokens))
 
 
 class LogitsNotComputed:
@@ -125,25 +144,29 @@ def logits_unless_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 targets: torch.Tensor, *, chunk_rows: int, ignore_index: int = -100,
+                 targets: torch.Tensor, *, chunk_rows: int | None = None,
+                 ignore_index: int = -100,
                  label_smoothing: float = 0.0, reduction: str = "mean",
                  transforms: tuple = (), row_slices: tuple = ()) -> torch.Tensor:
     """``cross_entropy(transforms(linear(hidden, weight, bias))[row_slices].flatten, targets)``
-    over chunks of ``chunk_rows`` tokens; the logits are never built whole."""
-    options = (int(chunk_rows), ignore_index, float(label_smoothing), reduction,
+    over chunks of ``chunk_rows`` tokens (None: ``auto_chunk_rows``); the logits are never
+    built whole."""
+    options = (None if chunk_rows is None else int(chunk_rows), ignore_index,
+               float(label_smoothing), reduction,
                tuple(transforms), tuple(row_slices), None)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, options)[0]
 
 
 def chunked_loss_and_logits(hidden: torch.Tensor, weight: torch.Tensor,
                             bias: torch.Tensor | None, targets: torch.Tensor, *,
-                            chunk_rows: int, ignore_index: int = -100,
+                            chunk_rows: int | None = None, ignore_index: int = -100,
                             label_smoothing: float = 0.0, reduction: str = "mean",
                             transforms: tuple = (), row_slices: tuple = (),
                             logits_transforms: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunked_loss``, and the logits after the first ``logits_transforms`` of
     ``transforms`` (the whole logits, written chunk by chunk), differentiable through both."""
-    options = (int(chunk_rows), ignore_index, float(label_smoothing), reduction,
+    options = (None if chunk_rows is None else int(chunk_rows), ignore_index,
+               float(label_smoothing), reduction,
                tuple(transforms), tuple(row_slices), int(logits_transforms))
     loss, logits = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, options)
     return loss, logits
@@ -224,6 +247,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         lead = hidden.shape[:-1]
         flat = hidden.reshape(-1, size)
         rows = flat.shape[0]
+        if rows_per_chunk is None:
+            rows_per_chunk = auto_chunk_rows(rows, vocab, size, weight.element_size())
         target = full_targets(targets, lead, row_slices, ignore_index)
         if target.numel() != rows:
             raise ValueError(f"chunked_loss: {target.numel()} targets for {rows} rows of logits")

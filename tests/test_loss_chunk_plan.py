@@ -1,5 +1,7 @@
-"""passes/loss_chunk_size.py and planning/loss_chunks.widest_chunk_rows: the chunked loss's chunks
-widened after the plan, never above the predicted (and measured) peak."""
+"""The chunked loss's chunk as a variable of the checkpoint plan (passes/checkpoint.py,
+planning/loss_chunks.widest_chunk_rows): open chunks are planned at the smallest size, then
+widened as far as the budget (or, for "min", the plan's predicted peak) allows, never above the
+predicted (and measured) peak; a chunk size the user fixed stays."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ from torch import nn
 
 import fxopt
 from fxopt.capture.chain import capture
-from fxopt.core import meta_keys
 from fxopt.measure.peaks import measure_train_step
 from fxopt.planning.loss_chunks import FAST_CHUNK_ROWS, MIN_CHUNK_ROWS, widest_chunk_rows
+from fxopt.runtime.chunked_loss import auto_chunk_rows
 from fxopt.runtime.chunked_loss import chunked_loss as chunked_loss_call
+from passes.checkpoint import LossChunks, checkpoint
 from passes.chunked_loss import chunked_loss
-from passes.loss_chunk_size import loss_chunk_size, tunable_calls
 from helpers import seeded
 
 
@@ -70,13 +72,25 @@ class WideBody(HeadOnly):
 
 def _chunked(model: nn.Module, inputs: tuple) -> torch.fx.GraphModule:
     gm = capture(model, inputs)
-    assert chunked_loss(gm, budget="min", force=True).modified
+    assert chunked_loss(gm, force=True).modified
     return gm
 
 
-def _rows(gm: torch.fx.GraphModule) -> int:
-    (_, node), = tunable_calls(gm)
-    return node.kwargs["chunk_rows"]
+def _rows(gm: torch.fx.GraphModule) -> int | None:
+    call, = [n for n in gm.graph.nodes if n.target is chunked_loss_call]
+    return call.kwargs["chunk_rows"]
+
+
+def test_chunked_loss_leaves_the_chunk_open_and_the_call_then_takes_the_automatic_size():
+    model, inputs = seeded(HeadOnly), _ids(4096, 2, 256)
+    gm = _chunked(model, inputs)
+    assert _rows(gm) is None and LossChunks(gm).tokens == inputs[0].numel()
+    rows = auto_chunk_rows(inputs[0].numel(), 4096, 8, 4)
+    fixed = capture(model, inputs)
+    chunked_loss(fixed, chunk_rows=rows, force=True)
+    assert measure_train_step(gm, inputs).peak_bytes == measure_train_step(
+        fixed, inputs).peak_bytes  # None is auto_chunk_rows at run time
+    torch.testing.assert_close(gm(*inputs), model(*inputs))
 
 
 @pytest.mark.parametrize("build, inputs, widened", [
@@ -86,40 +100,47 @@ def _rows(gm: torch.fx.GraphModule) -> int:
 def test_chunks_widen_only_where_the_peak_does_not_rise(build, inputs, widened):
     model = seeded(build)
     narrow, wide = _chunked(model, inputs), _chunked(model, inputs)
-    assert _rows(narrow) == MIN_CHUNK_ROWS
-    result = loss_chunk_size(wide)
-    assert _rows(wide) == widened and result.modified == (widened != MIN_CHUNK_ROWS)
-    call, = result.stats["calls"]
-    assert (call.chunk_rows_before, call.chunk_rows, call.tokens) == (MIN_CHUNK_ROWS, widened,
-                                                                      inputs[0].numel())
+    LossChunks(narrow).set(MIN_CHUNK_ROWS)
+    result = checkpoint(wide, budget="min")
+    assert _rows(wide) == widened == result.stats["loss_chunk_rows"] and result.modified
     measured_narrow = measure_train_step(narrow, inputs).peak_bytes
     measured_wide = measure_train_step(wide, inputs).peak_bytes
     assert measured_wide <= measured_narrow
-    assert measured_wide == result.stats["predicted_peak_bytes"]  # exact on CPU
+    assert measured_wide == result.stats["predicted_after"]  # exact on CPU
     loss = wide(*inputs)
     torch.testing.assert_close(loss, model(*inputs))
+
+
+def test_a_byte_budget_lets_the_chunk_use_the_room_the_plan_leaves():
+    """Under a byte budget above the least-memory peak, the chunk widens up to the budget, not
+    only up to the plan's own peak (what "min" does)."""
+    model, inputs = seeded(HeadOnly), _ids(4096, 2, 256)
+    at_min = _chunked(model, inputs)
+    least = checkpoint(at_min, budget="min").stats["predicted_after"]
+    roomy = _chunked(model, inputs)
+    budget = least + 8 * MIN_CHUNK_ROWS * 4096 * 4  # room for chunks several times wider
+    result = checkpoint(roomy, budget=budget)
+    assert _rows(roomy) > _rows(at_min) == MIN_CHUNK_ROWS
+    assert result.stats["predicted_after"] <= budget
+    assert measure_train_step(roomy, inputs).peak_bytes <= budget
 
 
 def test_a_chunk_size_the_user_gave_is_kept():
     model, inputs = seeded(WideBody), _ids(1024, 2, 128)
     gm = capture(model, inputs)
     chunked_loss(gm, chunk_rows=24, force=True)
-    call = next(n for n in gm.graph.nodes if n.target is chunked_loss_call)
-    assert call.meta[meta_keys.CHUNK_ROWS] == "given"
-    result = loss_chunk_size(gm)
-    assert not result.modified and call.kwargs["chunk_rows"] == 24
+    assert not LossChunks(gm)
+    result = checkpoint(gm, budget="min")
+    assert _rows(gm) == 24 and "loss_chunk_rows" not in result.stats
 
 
-def test_optimize_under_a_budget_sizes_the_chunks_after_the_plan():
+def test_optimize_under_a_budget_sizes_the_chunks_with_the_plan():
     model, inputs = seeded(WideBody, 4096, 8, 2048), _ids(4096, 2, 128)
-    gm = fxopt.optimize(model, inputs, memory_budget="min",
-                        passes=[("chunked_loss", {"outputs": "loss"}), "reorder"])
+    gm = fxopt.optimize(model, inputs, memory_budget="min", outputs="loss",
+                        passes=["chunked_loss", "reorder"])
     records = {r.name: r for r in gm.fxopt_report.passes}
-    assert list(records) == ["chunked_loss", "checkpoint", "loss_chunk_size", "reorder"]
+    assert list(records) == ["chunked_loss", "checkpoint", "reorder", "keep_blocks"]
     site, = records["chunked_loss"].stats["sites"]
-    call, = records["loss_chunk_size"].stats["calls"]
-    assert site["chunk_rows"] == MIN_CHUNK_ROWS == call.chunk_rows_before
-    assert call.chunk_rows > MIN_CHUNK_ROWS
-    planned = records["checkpoint"].stats["predicted_after"]
-    assert records["loss_chunk_size"].stats["predicted_peak_bytes"] <= planned
+    assert site["chunk_rows"] == "open"
+    assert records["checkpoint"].stats["loss_chunk_rows"] > MIN_CHUNK_ROWS
     assert gm.fxopt_report.verification.ok

@@ -1,0 +1,93 @@
+"""fxopt/measure/budget_check.py: a budget holds as a real step measures it, even when the
+predictions the plan was made with under-count.
+
+On the CPU predictions are exact, so a GPU's blind spots (workspaces, allocator blocks) are
+stood in for by predictions made to under-count by a known number of bytes: the plan then lands
+over the budget in a real step, and the closing check must plan again until it does not."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import fxopt
+import importlib
+from fxopt.core.errors import BudgetError
+from fxopt.measure.peaks import measure_train_step
+from helpers import seeded
+
+checkpoint_pass = importlib.import_module("passes.checkpoint")  # the module, not the function
+
+
+class Deep(nn.Module):
+    """Blocks whose wide GELU activations checkpointing can drop (each block then keeps its
+    input alone)."""
+
+    def __init__(self, width: int = 64, depth: int = 6):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+X = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+
+
+def _undercounting(monkeypatch, missing: int) -> None:
+    """The checkpoint pass's predictions miss ``missing`` bytes, as a GPU's kernels' workspaces
+    are missed by fake tensors."""
+    real = checkpoint_pass.estimate_train_peak
+
+    def under(*args, **kwargs):
+        peak = real(*args, **kwargs)
+        return dataclasses.replace(peak, bytes=peak.bytes - missing)
+
+    monkeypatch.setattr(checkpoint_pass, "estimate_train_peak", under)
+
+
+def _budget(model: nn.Module) -> tuple[int, int]:
+    """(a byte budget half-way down the activation memory, one activation's bytes)."""
+    estimate = fxopt.estimate_peak(model, X)
+    return estimate.train_bytes - estimate.activation_bytes // 2, X.numel() * 4
+
+
+def test_a_plan_made_on_undercounting_predictions_is_planned_again_until_a_real_step_fits(
+        monkeypatch):
+    model = seeded(Deep)
+    budget, activation = _budget(model)
+    _undercounting(monkeypatch, 2 * activation)
+    unchecked = fxopt.optimize(model, X, memory_budget=budget, check_budget=False, verify=False)
+    assert measure_train_step(unchecked, X).peak_bytes > budget  # the under-count bites
+    slim = fxopt.optimize(model, X, memory_budget=budget, check_budget=True)
+    check = slim.fxopt_report.budget_check
+    assert check.budget_bytes == budget and len(check.rounds) >= 2
+    assert check.rounds[0][1] > budget >= check.measured_bytes
+    assert measure_train_step(slim, X).peak_bytes == check.measured_bytes <= budget
+    assert slim.fxopt_report.verification.ok
+    assert "planning 2 times" in str(slim.fxopt_report) or len(check.rounds) > 2
+
+
+def test_a_budget_no_plan_can_make_up_for_is_a_budget_error_naming_the_real_peak(monkeypatch):
+    model = seeded(Deep)
+    estimate = fxopt.estimate_peak(model, X)
+    _undercounting(monkeypatch, estimate.activation_bytes)  # more than any plan can save
+    budget = estimate.train_bytes - estimate.activation_bytes // 4
+    with pytest.raises(BudgetError, match="is not met on cpu") as info:
+        fxopt.optimize(model, X, memory_budget=budget, check_budget=True, verify=False)
+    assert info.value.smallest_bytes is not None
+
+
+def test_min_is_measured_and_the_check_is_off_on_the_cpu_by_default():
+    model = seeded(Deep)
+    slim = fxopt.optimize(model, X, memory_budget="min", check_budget=True, verify=False)
+    check = slim.fxopt_report.budget_check
+    assert check.budget_bytes is None and str(check).startswith("least memory: measured")
+    assert check.measured_bytes == measure_train_step(slim, X).peak_bytes
+    assert fxopt.optimize(model, X, memory_budget=0.5, verify=False).fxopt_report.budget_check \
+        is None  # exact predictions on the CPU: nothing to check
