@@ -1,6 +1,7 @@
 """passes.pad_channels: golden graphs, equivalence on the zoo, zero padding, policy and timing."""
 
 import importlib
+import math
 import operator
 
 import pytest
@@ -10,11 +11,13 @@ from helpers import check_pass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import fx, nn
+from torch.overrides import TorchFunctionMode
 
 import fxopt
 import models_zoo
 from fxopt.capture.trace import trace
 from fxopt.core.errors import ConfigError
+from fxopt.planning.pad_plan import memory_order, plan_padding
 from fxopt.planning.pad_policy import Decider, TimingCase, padding_pays, time_case
 from fxopt.verify.equivalence import verify
 from passes.pad_channels import pad_channels
@@ -143,12 +146,158 @@ def test_transformer_lm_pads_vocab_and_slices_logits_before_the_output():
     assert len(ops) == 17
     output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert output.target == "contiguous" and output.args[0].args[1:] == (-1, 0, 50257)
-    # dropout draws its mask on the original shape: its input is sliced back first
+    # dropout draws its mask on the original shape and layout: its input is sliced back first,
+    # then copied dense (a narrowed view would draw another CUDA mask: see the next tests)
     dropout_inputs = [n.args[0] for n in gm.graph.nodes if n.op == "call_module"
                       and isinstance(gm.get_submodule(n.target), nn.Dropout)]
     assert all(x.meta["val"].shape[-1] != 104 for x in dropout_inputs)
-    assert sum(x.target is torch.narrow for x in dropout_inputs) == 4  # out_proj, mlp, 2 blocks
+    copies = [x for x in dropout_inputs if x.target == "contiguous"]
+    assert len(copies) == 4  # out_proj, mlp, 2 blocks
+    assert all(x.args[0].target is torch.narrow for x in copies)
 
+
+# --- random ops read the original layout (the H200's wrong gradients, 2026-11-27) ---------------
+
+class CudaLikeDropout(TorchFunctionMode):
+    """Out-of-place ``F.dropout`` drawing its mask as CUDA's ``native_dropout`` does, on the CPU.
+
+    ``aten/src/ATen/native/cuda/Dropout.cu``: each thread owns a Philox stream of float4 draws.
+    A dense input runs ``fused_dropout_kernel_vec``: thread t takes VEC (16 bytes' worth)
+    consecutive elements *in memory order*; any other input runs ``fused_dropout_kernel``: thread
+    t takes the logical elements t, t + T, t + 2T, t + 3T. The same seed thus drops other
+    elements of a narrowed (non-dense) view than of a dense tensor with the same values. The CPU
+    dropout draws in logical order whatever the strides, which is why CPU runs verified.
+    ``seen`` records each input's (shape, strides, dense).
+    """
+
+    THREADS = 1024
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bound = dict(zip(("input", "p", "training", "inplace"), args)) | kwargs
+        if func is not F.dropout or not bound.get("training", True) or bound.get("inplace"):
+            return func(*args, **kwargs)
+        x, p = bound["input"], bound.get("p", 0.5)
+        dense = _dense(x)
+        self.seen.append((tuple(x.shape), x.stride(), dense))
+        with torch.no_grad():
+            keep = self._mask(x, dense, 1 - p)
+        return x * keep / (1 - p)
+
+    def _mask(self, x, dense, keep):
+        n, threads = x.numel(), self.THREADS
+        vec = 16 // x.element_size() if dense else 1
+        while vec > 1 and n % vec:
+            vec //= 2
+        draws = torch.rand(threads, 4 * math.ceil(n / threads) + 8)  # the threads' streams
+        e = torch.arange(n)
+        if vec == 1:  # logical order, grid-stride
+            thread, draw = e % threads, (e // (4 * threads)) * 4 + (e // threads) % 4
+        else:  # memory order, VEC consecutive elements per thread
+            step = e // (vec * threads)
+            thread = (e // vec) % threads
+            draw = step * 4 * math.ceil(vec / 4) + e % vec if vec >= 4 else \
+                (step // 2) * 4 + (step % 2) * 2 + e % vec
+        flat = (draws[thread, draw] < keep).to(x.dtype)
+        return torch.as_strided(flat, x.shape, x.stride()) if vec > 1 else flat.view(x.shape)
+
+
+def _dense(x):
+    """Whether ``x`` covers its memory without gaps or overlaps (its strides, sorted, are the
+    running products of its sizes), as ``Tensor.is_non_overlapping_and_dense`` in ATen."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _lm(dtype):
+    model, inputs = models_zoo.build("transformer_lm")
+    return model.to(dtype), inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forced_padding_of_transformer_lm_verifies_in_half_precision_on_cpu(dtype):
+    """The forced pad of transformer_lm failed verification on an H200 in float16 and bfloat16
+    (parameter gradients 10-100x off, signs flipped). Not a half-precision bug: the dropouts
+    after the padded out_proj and MLP drew another CUDA mask on their narrowed inputs
+    (``CudaLikeDropout``; float32 fails the same way there). Fails at a4121b2, with the H200's
+    signature: blocks.*.mlp.2.bias, attn.out_proj.bias and attn.v_proj.bias worst."""
+    torch.manual_seed(0)
+    model, inputs = _lm(dtype)
+    fxopt.optimize(model, inputs, passes=[("pad_channels", FORCED)])  # CPU kernels: verified
+    with CudaLikeDropout():
+        gm = fxopt.optimize(model, inputs, passes=[("pad_channels", FORCED)])
+    assert gm.fxopt_report.verification.ok and gm.fxopt_report.passes[0].stats["padded_ops"] == 17
+
+
+class DropoutAfterPadding(nn.Module):
+    """Random ops after padded ops: on a view of one, on a channels_last conv, and in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 10)
+        self.conv = nn.Conv2d(3, 6, 1)
+        self.fc2 = nn.Linear(6, 10)
+        self.drop = nn.Dropout(0.5)
+        self.drop_in_place = nn.Dropout(0.5, inplace=True)
+
+    def forward(self, x, image):
+        a = self.drop(self.fc(x).transpose(0, 1))  # a view of a padded value
+        b = F.dropout(self.conv(image), 0.3)  # channels_last
+        c = self.fc2(x)
+        d = self.drop_in_place(c)  # writes into the padded value: keeps its view
+        return a, b, d + c * 2
+
+
+def test_random_ops_read_their_input_in_its_original_layout():
+    """Each out-of-place dropout reads a tensor with the strides it had in the original model
+    (dense: a copy of the narrowed real channels, in the original memory order), so its CUDA
+    mask is the same; the in-place dropout still writes through to the padded value."""
+    torch.manual_seed(0)
+    model = DropoutAfterPadding().to(memory_format=torch.channels_last)
+    inputs = (torch.randn(4, 6), torch.randn(2, 3, 5, 5).to(memory_format=torch.channels_last))
+    gm = trace(model, inputs)
+    result = pad_channels(gm, force=True)
+    assert result.stats["padded_ops"] == 3
+    layouts = []
+    for module in (trace(model, inputs), gm):
+        with CudaLikeDropout() as mode:
+            module(*inputs)
+        layouts.append(mode.seen)
+    assert layouts[0] == layouts[1]
+    assert layouts[1][1] == ((2, 6, 5, 5), (150, 1, 30, 6), True)  # channels_last, dense
+    copies = [n for n in gm.graph.nodes if n.target == "contiguous"]
+    assert [n.kwargs.get("memory_format") for n in copies] == [None, torch.channels_last]
+    in_place = next(n for n in gm.graph.nodes if n.target == "drop_in_place")
+    assert in_place.args[0].target is torch.narrow  # its write must reach the padded value
+    with CudaLikeDropout():
+        assert verify(model, gm, inputs).ok
+
+
+def test_layout_copies_are_planned_from_the_original_values():
+    model, inputs = models_zoo.build("transformer_lm")
+    gm = trace(model, inputs)
+    plan = plan_padding(gm, multiple=8, keep=lambda case: True)
+    copied = {(consumer.name, value.name): order
+              for consumer, values in plan.copies.items() for value, order in values.items()}
+    assert copied == {
+        ("blocks_0_attn_residual_dropout", "blocks_0_attn_out_proj"): (0, 1, 2),
+        ("blocks_0_mlp_residual_dropout", "blocks_0_mlp_2"): (0, 1, 2),
+        ("blocks_1_attn_residual_dropout", "blocks_1_attn_out_proj"): (0, 1, 2),
+        ("blocks_1_mlp_residual_dropout", "blocks_1_mlp_2"): (0, 1, 2),
+        ("output", "lm_head"): (0, 1, 2)}
+    x = torch.empty(2, 3, 4, 5)
+    assert memory_order(x) == (0, 1, 2, 3)
+    assert memory_order(x.to(memory_format=torch.channels_last)) == (0, 2, 3, 1)
+    assert memory_order(x.transpose(1, 3)) == (0, 3, 2, 1)
+    assert memory_order(x.narrow(1, 0, 2)) is None  # not dense: CUDA reads it in logical order
 
 def test_mobilenet_v2_residual_adds_stay_padded():
     # Verified in float64, at batch 4 on 64x64 images, so that the verdict does not hang on the
