@@ -40,9 +40,11 @@ Checked on CPU in float32, float16 and bfloat16, with CUDA's dropout emulated
 (``tests/test_pad_channels.py``); re-check on a GPU with ``benchmarks/pad_channels.py --device
 cuda``.
 
-Policy: by default the pass changes nothing unless the graph runs on CUDA in float16/bfloat16
-(or float32 with TF32), and there it keeps a pad only where timing says the padded op is
-faster; ``force=True`` pads every op it can (e.g. on CPU, for tests, or under autocast).
+Policy (``fxopt.planning.pad_policy``): by default the pass changes nothing unless the graph runs
+on CUDA in float16/bfloat16, or in float32 with TF32 on for its convs (cuDNN, torch's default) or
+its matmuls; there it pads only the ops that run on tensor cores, and keeps a pad only where
+timing says the padded op is faster. ``force=True`` pads every op it can (e.g. on CPU, for
+tests, or under autocast); ``tensor_cores`` decides for given TF32 switches instead of torch's.
 
 Padding is for speed and costs memory: padded activations are larger (odd_channel_cnn's
 training peak grows about 15%). Stats: ``padded_ops``; ``extra_flops`` and ``extra_flops_pct``;
@@ -85,6 +87,7 @@ from fxopt.planning.pad_plan import (
 )
 from fxopt.planning.pad_policy import (
     OPS,
+    TensorCores,
     Timer,
     TimingCase,
     default_decider,
@@ -111,22 +114,24 @@ class PaddedOp(StatsItem):
 
 
 def pad_channels(gm: fx.GraphModule, *, multiple: int = 8, force: bool = False,
-                 measure: bool | None = None, timer: Timer | None = None) -> PassResult:
+                 measure: bool | None = None, timer: Timer | None = None,
+                 tensor_cores: TensorCores | None = None) -> PassResult:
     """Pad unaligned channel/feature sizes of heavy ops (see the module docstring).
 
     ``multiple``: 8, 16, 32 or 64. ``force``: pad whatever the device and dtype. ``measure``:
     time each padded op against the original and keep only faster pads (default: on CUDA when
     not forced). ``timer``: replaces the timing function (``(case) -> (original_s, padded_s)``).
+    ``tensor_cores``: the TF32 switches the policy decides for (default: torch's, as set now).
     """
     if isinstance(multiple, bool) or multiple not in MULTIPLES:
         raise ConfigError(f"pad_channels: multiple={multiple!r} is not supported",
                           where="pass pad_channels",
                           hint=f"use one of {', '.join(map(str, MULTIPLES))}")
     if not force:
-        pays, reason = padding_pays(gm)
+        pays, reason = padding_pays(gm, tensor_cores)
         if not pays:
             return PassResult(gm, False, {"reason": reason})
-    decider = default_decider(gm, measure=measure, timer=timer, force=force)
+    decider = default_decider(gm, measure=measure, timer=timer, force=force, cores=tensor_cores)
     plan = plan_padding(gm, multiple=multiple, keep=decider.keep)
     stats: dict[str, Any] = {"multiple": multiple, "padded_ops": len(plan.anchors)}
     if decider.timings:

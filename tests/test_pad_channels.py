@@ -18,7 +18,14 @@ import models_zoo
 from fxopt.capture.trace import trace
 from fxopt.core.errors import ConfigError
 from fxopt.planning.pad_plan import memory_order, plan_padding
-from fxopt.planning.pad_policy import Decider, TimingCase, padding_pays, time_case
+from fxopt.planning.pad_policy import (
+    Decider,
+    TensorCores,
+    TimingCase,
+    default_decider,
+    padding_pays,
+    time_case,
+)
 from fxopt.verify.equivalence import verify
 from passes.pad_channels import pad_channels
 
@@ -499,17 +506,76 @@ def _graph_with_input(dtype, device="cuda"):
     return gm
 
 
-def test_default_policy_pads_cuda_half_and_tf32_only():
-    assert padding_pays(_graph_with_input(torch.float16))[0] is True
-    assert padding_pays(_graph_with_input(torch.bfloat16))[0] is True
-    assert padding_pays(_graph_with_input(torch.float16, "cpu"))[0] is False
-    assert padding_pays(_graph_with_input(torch.float32))[0] is False
-    previous = torch.backends.cuda.matmul.allow_tf32
+OFF, CONVS, MATMULS = TensorCores(False, False), TensorCores(True, False), TensorCores(False, True)
+
+
+def test_default_policy_pads_cuda_half_and_float32_where_tf32_runs():
+    for cores in (OFF, CONVS, MATMULS):
+        assert padding_pays(_graph_with_input(torch.float16), cores)[0] is True
+        assert padding_pays(_graph_with_input(torch.bfloat16), cores)[0] is True
+        assert padding_pays(_graph_with_input(torch.float16, "cpu"), cores)[0] is False
+    assert padding_pays(_graph_with_input(torch.float32), OFF)[0] is False
+    # torch's defaults (cuDNN TF32 on, TF32 matmuls off): float32 convs use tensor cores (M7)
+    assert padding_pays(_graph_with_input(torch.float32), CONVS) == (
+        True, "CUDA float32 with TF32 cuDNN convs: tensor-core kernels want aligned channels")
+    assert padding_pays(_graph_with_input(torch.float32), MATMULS)[0] is True
+
+
+def test_tensor_cores_read_the_cudnn_and_matmul_switches():
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.allow_tf32
     try:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        assert padding_pays(_graph_with_input(torch.float32))[0] is True
+        matmul.allow_tf32 = False
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+            assert TensorCores.current() == CONVS  # torch's defaults
+        with torch.backends.cudnn.flags(enabled=False, allow_tf32=True):
+            assert TensorCores.current() == OFF  # native convs: no TF32
+        matmul.allow_tf32 = True
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            assert TensorCores.current() == MATMULS
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        matmul.allow_tf32 = previous
+
+
+def _cuda_float32_cnn():
+    """odd_channel_cnn (3 convs and a Linear) whose input meta says CUDA float32 (no GPU)."""
+    model, inputs = models_zoo.build("odd_channel_cnn")
+    gm = trace(model, inputs)
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            with val.fake_mode:
+                node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
+                                                       device="cuda")
+    return gm
+
+
+def test_float32_policy_pads_only_the_ops_tf32_runs():
+    """cuDNN TF32 alone: the convs are timed (and kept when faster), the Linear is declined
+    untimed; TF32 matmuls alone: the reverse. Forced: everything, whatever the switches."""
+    timed = []
+
+    def faster(case):
+        timed.append(case.op)
+        return 1.0, 0.5
+
+    no_tf32_matmul = "float32 matmul with TF32 matmuls off " \
+        "(torch.backends.cuda.matmul.allow_tf32) runs no tensor-core kernels"
+    no_tf32_conv = "float32 conv with cuDNN TF32 off (torch.backends.cudnn.allow_tf32) " \
+        "runs no tensor-core kernels"
+    gm = _cuda_float32_cnn()
+    for cores, kept, declined in ((CONVS, ["_0", "_3", "_6"], {"_11": no_tf32_matmul}),
+                                  (MATMULS, ["_11"], dict.fromkeys(["_0", "_3", "_6"],
+                                                                   no_tf32_conv))):
+        timed.clear()
+        decider = default_decider(gm, measure=None, timer=faster, force=False, cores=cores)
+        plan = plan_padding(gm, multiple=8, keep=decider.keep)
+        assert [n.name for n in plan.anchors] == kept and plan.declined == declined
+        assert len(timed) == len(kept)
+    forced = default_decider(gm, measure=None, timer=None, force=True, cores=OFF)
+    assert len(plan_padding(gm, multiple=8, keep=forced.keep).anchors) == 4
+    half = TimingCase("conv2d", (), (), (), (), (), "torch.float16", "cuda")
+    assert Decider(cores=OFF).keep(half) is True
 
 
 def test_measured_policy_keeps_only_faster_pads_and_times_each_case_once():

@@ -481,17 +481,19 @@ def _norm_plan(gm: fx.GraphModule, node: fx.Node, layout: dict[fx.Node, Padded]
 # --- the plan ---------------------------------------------------------------------------------
 
 def plan_padding(gm: fx.GraphModule, *, multiple: int,
-                 keep: Callable[[TimingCase], bool]) -> PadPlan:
-    """Walk ``gm`` in order: pad each anchor that ``keep`` accepts, and follow the padding."""
+                 keep: Callable[[TimingCase], bool | str]) -> PadPlan:
+    """Walk ``gm`` in order: pad each anchor that ``keep`` accepts (True; False or a reason
+    declines it), and follow the padding."""
     plan = PadPlan()
     for node in gm.graph.nodes:
         heavy = _heavy(gm, node)
         if heavy is not None:
             anchor = _plan_heavy(gm, node, heavy, plan.layout, multiple)
+            verdict = keep(anchor.case) if isinstance(anchor, AnchorPlan) else None
             if isinstance(anchor, str):
                 plan.declined[node.name] = anchor
-            elif anchor is not None and not keep(anchor.case):
-                plan.declined[node.name] = "measured: not faster padded"
+            elif anchor is not None and verdict is not True:
+                plan.declined[node.name] = verdict or "measured: not faster padded"
             elif anchor is not None:
                 plan.anchors[node] = anchor
                 plan.takes_padded[node] = {o.source for o in anchor.operands
