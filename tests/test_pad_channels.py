@@ -673,6 +673,26 @@ def test_cuda_half_policy_measures_and_verifies():
     assert verify(model, gm, inputs).ok
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_dropout_mask_follows_the_layout_and_forced_padding_verifies(dtype):
+    """The premise of CudaLikeDropout, on the device: under one seed, dropout of a narrowed view
+    drops other elements than dropout of the same values made dense; then the H200's failure,
+    the forced pad of transformer_lm, verifies."""
+    padded = torch.randn(64, 16, 104, device="cuda", dtype=dtype)
+    masks = []
+    for x in (padded.narrow(-1, 0, 100), padded.narrow(-1, 0, 100).contiguous()):
+        torch.cuda.manual_seed(0)
+        masks.append(F.dropout(x, 0.5) == 0)
+    assert not torch.equal(masks[0], masks[1])
+    torch.manual_seed(0)
+    model, inputs = models_zoo.build("transformer_lm", 4)
+    model = model.to("cuda", dtype)
+    gm = fxopt.optimize(model, tuple(t.cuda() for t in inputs),
+                        passes=[("pad_channels", FORCED)])
+    assert gm.fxopt_report.verification.ok
+
 def test_padded_batchnorm_called_twice_under_checkpointing():
     """fuzz_long's reproducer (2026-11-23): the BatchNorm called twice, once inside a candidate
     region, made the checkpoint pass's fake run fail in backward. Now (roofline costs: the same
