@@ -2,15 +2,19 @@
 
     python benchmarks/pad_channels.py [--repeats 20] [--models odd_channel_cnn,transformer_lm]
                                       [--out FILE] [--device cpu | cuda]
+                                      [--dtypes float16,bfloat16,float32]
 
 On CUDA: ``odd_channel_cnn`` (batch 256, 3x32x32; channels 30/60/100) and ``transformer_lm``
-(batch 16, 256 tokens; dim 100, 5 heads, vocab 50257) in float16 and bfloat16. For each, the
-training step (forward + backward) of the traced original, of the default policy (keeps only the
-pads it measured faster) and of every pad forced, each timed alternately against the original
-(median of at least ``--repeats`` steps, ``fxopt.measure.timing.timed_against``); ratio < 1 is faster.
+(batch 16, 256 tokens; dim 100, 5 heads, vocab 50257) in float16 and bfloat16 (``--dtypes``:
+add float32, where the default policy pads the convs that cuDNN runs in TF32, torch's default).
+For each, the training step (forward + backward) of the traced original, of the default policy
+(keeps only the pads it measured faster) and of every pad forced, each timed alternately against
+the original (median of at least ``--repeats`` steps, ``fxopt.measure.timing.timed_against``);
+ratio < 1 is faster.
 
 On CPU: the default policy leaves each model unpadded (the pass's reason is printed), and the
-forced padding's cost in float32 is timed the same way (smaller batches).
+forced padding's cost is timed the same way (smaller batches), in float32 unless ``--dtypes``
+says otherwise (bfloat16 and float16 run on CPU too, slowly).
 
 Every padded model is verified against the original first (``fxopt.optimize(verify=True)``).
 Prints only; ``--out FILE`` also writes the table to FILE. ``--device`` defaults to CUDA when a
@@ -90,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="also write the table to this file")
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available, else cpu)")
+    parser.add_argument("--dtypes", default=None,
+                        help="comma-separated, e.g. float16,bfloat16,float32 (default: float16 "
+                             "and bfloat16 on CUDA, float32 on CPU)")
     return parser
 
 
@@ -106,7 +113,10 @@ def main() -> int:
     row(out, f"{'model':<16}{'dtype':<10}{'variant':<18}{'orig ms':>10}{'pad ms':>10}"
              f"{'ratio':>8}  what the pass did")
     variants = [("default policy", "pad"), ("forced", "pad{force=true}")]
-    dtypes = (torch.float16, torch.bfloat16) if cuda else (torch.float32,)
+    if args.dtypes:
+        dtypes = tuple(getattr(torch, name.strip()) for name in args.dtypes.split(","))
+    else:
+        dtypes = (torch.float16, torch.bfloat16) if cuda else (torch.float32,)
     for name in args.models.split(","):
         for dtype in dtypes:
             compare(out, name, dtype, device, variants, CUDA_SIZES if cuda else CPU_SIZES,

@@ -6,24 +6,45 @@ functional form on padded operands, lets the padding flow through channel-wise o
 every other consumer the original shape back. See ``fxopt.planning.pad_plan`` for which ops pad and
 which carry padding, and ``fxopt.planning.pad_policy`` for when padding is worth it.
 
-When it is safe: always -- the padded model computes the same function in exact arithmetic.
+When it is safe: on every graph it rewrites, except the cases under "Not handled" below, the
+padded model computes the same function as the original -- the same values in exact arithmetic,
+and the same random numbers drawn for the same elements on CPU and CUDA. Padding flows only
+through the ops ``fxopt.planning.pad_plan`` lists; every other op gets the original shape. How:
 
 - Parameters stay the user's, with their shapes: weights and biases are padded *inside the
   graph* (``F.pad`` of the parameter), so gradients reach the real Parameter through the pad,
   and the padded region of a parameter never exists as state (it cannot drift in training).
-- Padded weight rows, columns and biases are zero, so padded outputs are exactly zero and
-  padded inputs meet zero weights: a padded channel never leaks into a real one.
+- Padded weight rows, columns and biases are zero (``F.pad`` writes exact zeros in every dtype),
+  so padded outputs are exactly zero and padded inputs meet zero weights: a padded channel never
+  leaks into a real one, forward or backward.
 - BatchNorm on a padded tensor runs ``F.batch_norm`` with zero-padded weight and bias and
   running statistics padded for the call (mean 0, variance 1, so padded channels stay 0 in
   eval too); the updated real statistics are copied back into the module's buffers and
   ``num_batches_tracked`` is incremented exactly when the module would (its ``training`` flag is
   read at run time). Checkpointed regions recompute on copies of these buffers like any other.
-- The value handed to an unpadded consumer is a view (``narrow``) of the real channels, made
-  contiguous where the consumer may rely on it (the model's outputs, ``view``, user modules).
+- The value handed to an unpadded consumer is a view (``narrow``) of the real channels. Where
+  the consumer's result may depend on the layout, it gets a dense copy laid out in memory as the
+  original value was: random ops (dropout and the others ``fxopt.analysis.randomness`` lists)
+  reading the value or a view of it, the model's outputs, ``view``, user modules. A random op
+  must: CUDA's dropout draws its mask in memory order, with another kernel for a non-dense input,
+  so a narrowed view would drop other elements than the original tensor under the same seed.
+  That was the forced pad of transformer_lm failing verification on an H200 in float16 and
+  bfloat16 (gradients 10-100x off) while every CPU run verified: the CPU dropout draws in logical
+  order whatever the strides. It was never a half-precision bug.
 
-Policy: by default the pass changes nothing unless the graph runs on CUDA in float16/bfloat16
-(or float32 with TF32), and there it keeps a pad only where timing says the padded op is
-faster; ``force=True`` pads every op it can (e.g. on CPU, for tests, or under autocast).
+Equal up to rounding, not bit for bit: padded ops run other kernels (other tile shapes and
+summation orders), so results differ at rounding level, which is larger in float16/bfloat16;
+``fxopt.verify`` compares with per-dtype tolerances.
+
+Checked on CPU in float32, float16 and bfloat16, with CUDA's dropout emulated
+(``tests/test_pad_channels.py``); re-check on a GPU with ``benchmarks/pad_channels.py --device
+cuda``.
+
+Policy (``fxopt.planning.pad_policy``): by default the pass changes nothing unless the graph runs
+on CUDA in float16/bfloat16, or in float32 with TF32 on for its convs (cuDNN, torch's default) or
+its matmuls; there it pads only the ops that run on tensor cores, and keeps a pad only where
+timing says the padded op is faster. ``force=True`` pads every op it can (e.g. on CPU, for
+tests, or under autocast); ``tensor_cores`` decides for given TF32 switches instead of torch's.
 
 Padding is for speed and costs memory: padded activations are larger (odd_channel_cnn's
 training peak grows about 15%). Stats: ``padded_ops``; ``extra_flops`` and ``extra_flops_pct``;
@@ -34,6 +55,12 @@ Not handled: BatchNorm with ``momentum=None`` (its input is sliced back: it runs
 ops inside opaque leaves, modules with hooks, and the limits listed in ``fxopt.planning.pad_plan``.
 Optimizing a padded module again traces its ``getattr(bn, "training")`` as a constant: right
 for the train and eval graphs, wrong for a BatchNorm frozen in eval inside a training model.
+Random ops whose CUDA kernel depends on more than the memory order may still differ: a dropout
+reading a view at an offset into a padded value (its dense copy starts aligned, the original
+view may not, and the kernel's vector width follows the alignment). In-place random ops keep the
+narrowed view, so that their write reaches the padded value (torch draws their noise on
+``empty_like`` of the input, in logical order for the view and the original alike; not yet
+checked on a GPU).
 """
 
 from __future__ import annotations
@@ -60,6 +87,7 @@ from fxopt.planning.pad_plan import (
 )
 from fxopt.planning.pad_policy import (
     OPS,
+    TensorCores,
     Timer,
     TimingCase,
     default_decider,
@@ -86,22 +114,24 @@ class PaddedOp(StatsItem):
 
 
 def pad_channels(gm: fx.GraphModule, *, multiple: int = 8, force: bool = False,
-                 measure: bool | None = None, timer: Timer | None = None) -> PassResult:
+                 measure: bool | None = None, timer: Timer | None = None,
+                 tensor_cores: TensorCores | None = None) -> PassResult:
     """Pad unaligned channel/feature sizes of heavy ops (see the module docstring).
 
     ``multiple``: 8, 16, 32 or 64. ``force``: pad whatever the device and dtype. ``measure``:
     time each padded op against the original and keep only faster pads (default: on CUDA when
     not forced). ``timer``: replaces the timing function (``(case) -> (original_s, padded_s)``).
+    ``tensor_cores``: the TF32 switches the policy decides for (default: torch's, as set now).
     """
     if isinstance(multiple, bool) or multiple not in MULTIPLES:
         raise ConfigError(f"pad_channels: multiple={multiple!r} is not supported",
                           where="pass pad_channels",
                           hint=f"use one of {', '.join(map(str, MULTIPLES))}")
     if not force:
-        pays, reason = padding_pays(gm)
+        pays, reason = padding_pays(gm, tensor_cores)
         if not pays:
             return PassResult(gm, False, {"reason": reason})
-    decider = default_decider(gm, measure=measure, timer=timer, force=force)
+    decider = default_decider(gm, measure=measure, timer=timer, force=force, cores=tensor_cores)
     plan = plan_padding(gm, multiple=multiple, keep=decider.keep)
     stats: dict[str, Any] = {"multiple": multiple, "padded_ops": len(plan.anchors)}
     if decider.timings:
@@ -184,14 +214,30 @@ class _Rewriter:
 
     def _unpad_inputs(self, node: fx.Node) -> None:
         takes = self.plan.takes_padded.get(node, set())
+        copies = self.plan.copies.get(node, {})
         for value in node.all_input_nodes:
+            original = self.origin.get(value, value)
             state = self._state(value)
-            if state is None or self.origin.get(value, value) in takes:
+            if original in takes or (state is None and original not in copies):
                 continue
-            real = self._narrow(value, state)
-            if _needs_contiguous(self.gm, node):
-                real = self._new("call_method", "contiguous", (real,))
+            real = value if state is None else self._narrow(value, state)
+            if original in copies:
+                real = self._dense_copy(real, copies[original])
             node.replace_input_with(value, real)
+
+    def _dense_copy(self, value: fx.Node, order: tuple[int, ...]) -> fx.Node:
+        """A dense copy of ``value`` whose memory order is ``order`` (outermost dim first)."""
+        rank = len(order)
+        formats = {(0, 2, 3, 1): torch.channels_last, (0, 2, 3, 4, 1): torch.channels_last_3d}
+        if order == tuple(range(rank)):
+            return self._new("call_method", "contiguous", (value,))
+        if order in formats:
+            return self._new("call_method", "contiguous", (value,),
+                             {"memory_format": formats[order]})
+        inverse = tuple(sorted(range(rank), key=order.__getitem__))
+        permuted = self._new("call_method", "permute", (value, *order))
+        dense = self._new("call_method", "contiguous", (permuted,))
+        return self._new("call_method", "permute", (dense, *inverse))
 
     def _narrow(self, value: fx.Node, state: Padded) -> fx.Node:
         if value not in self.narrowed:
@@ -253,12 +299,3 @@ class _Rewriter:
             real = self._call(torch.narrow, padded, 0, 0, plan.padded.real)
             self._new("call_method", "copy_", (buffer, real))
         return out
-
-
-def _needs_contiguous(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node`` may rely on a contiguous input: outputs, ``view``, user modules."""
-    if node.op == "output" or (node.op == "call_method" and node.target in ("view", "view_as")):
-        return True
-    if node.op == "call_module":
-        return not type(gm.get_submodule(node.target)).__module__.startswith("torch.")
-    return False

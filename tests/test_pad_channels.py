@@ -1,6 +1,7 @@
 """passes.pad_channels: golden graphs, equivalence on the zoo, zero padding, policy and timing."""
 
 import importlib
+import math
 import operator
 
 import pytest
@@ -10,12 +11,21 @@ from helpers import check_pass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import fx, nn
+from torch.overrides import TorchFunctionMode
 
 import fxopt
 import models_zoo
 from fxopt.capture.trace import trace
 from fxopt.core.errors import ConfigError
-from fxopt.planning.pad_policy import Decider, TimingCase, padding_pays, time_case
+from fxopt.planning.pad_plan import memory_order, plan_padding
+from fxopt.planning.pad_policy import (
+    Decider,
+    TensorCores,
+    TimingCase,
+    default_decider,
+    padding_pays,
+    time_case,
+)
 from fxopt.verify.equivalence import verify
 from passes.pad_channels import pad_channels
 
@@ -143,12 +153,158 @@ def test_transformer_lm_pads_vocab_and_slices_logits_before_the_output():
     assert len(ops) == 17
     output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert output.target == "contiguous" and output.args[0].args[1:] == (-1, 0, 50257)
-    # dropout draws its mask on the original shape: its input is sliced back first
+    # dropout draws its mask on the original shape and layout: its input is sliced back first,
+    # then copied dense (a narrowed view would draw another CUDA mask: see the next tests)
     dropout_inputs = [n.args[0] for n in gm.graph.nodes if n.op == "call_module"
                       and isinstance(gm.get_submodule(n.target), nn.Dropout)]
     assert all(x.meta["val"].shape[-1] != 104 for x in dropout_inputs)
-    assert sum(x.target is torch.narrow for x in dropout_inputs) == 4  # out_proj, mlp, 2 blocks
+    copies = [x for x in dropout_inputs if x.target == "contiguous"]
+    assert len(copies) == 4  # out_proj, mlp, 2 blocks
+    assert all(x.args[0].target is torch.narrow for x in copies)
 
+
+# --- random ops read the original layout (the H200's wrong gradients, 2026-11-27) ---------------
+
+class CudaLikeDropout(TorchFunctionMode):
+    """Out-of-place ``F.dropout`` drawing its mask as CUDA's ``native_dropout`` does, on the CPU.
+
+    ``aten/src/ATen/native/cuda/Dropout.cu``: each thread owns a Philox stream of float4 draws.
+    A dense input runs ``fused_dropout_kernel_vec``: thread t takes VEC (16 bytes' worth)
+    consecutive elements *in memory order*; any other input runs ``fused_dropout_kernel``: thread
+    t takes the logical elements t, t + T, t + 2T, t + 3T. The same seed thus drops other
+    elements of a narrowed (non-dense) view than of a dense tensor with the same values. The CPU
+    dropout draws in logical order whatever the strides, which is why CPU runs verified.
+    ``seen`` records each input's (shape, strides, dense).
+    """
+
+    THREADS = 1024
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bound = dict(zip(("input", "p", "training", "inplace"), args)) | kwargs
+        if func is not F.dropout or not bound.get("training", True) or bound.get("inplace"):
+            return func(*args, **kwargs)
+        x, p = bound["input"], bound.get("p", 0.5)
+        dense = _dense(x)
+        self.seen.append((tuple(x.shape), x.stride(), dense))
+        with torch.no_grad():
+            keep = self._mask(x, dense, 1 - p)
+        return x * keep / (1 - p)
+
+    def _mask(self, x, dense, keep):
+        n, threads = x.numel(), self.THREADS
+        vec = 16 // x.element_size() if dense else 1
+        while vec > 1 and n % vec:
+            vec //= 2
+        draws = torch.rand(threads, 4 * math.ceil(n / threads) + 8)  # the threads' streams
+        e = torch.arange(n)
+        if vec == 1:  # logical order, grid-stride
+            thread, draw = e % threads, (e // (4 * threads)) * 4 + (e // threads) % 4
+        else:  # memory order, VEC consecutive elements per thread
+            step = e // (vec * threads)
+            thread = (e // vec) % threads
+            draw = step * 4 * math.ceil(vec / 4) + e % vec if vec >= 4 else \
+                (step // 2) * 4 + (step % 2) * 2 + e % vec
+        flat = (draws[thread, draw] < keep).to(x.dtype)
+        return torch.as_strided(flat, x.shape, x.stride()) if vec > 1 else flat.view(x.shape)
+
+
+def _dense(x):
+    """Whether ``x`` covers its memory without gaps or overlaps (its strides, sorted, are the
+    running products of its sizes), as ``Tensor.is_non_overlapping_and_dense`` in ATen."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _lm(dtype):
+    model, inputs = models_zoo.build("transformer_lm")
+    return model.to(dtype), inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forced_padding_of_transformer_lm_verifies_in_half_precision_on_cpu(dtype):
+    """The forced pad of transformer_lm failed verification on an H200 in float16 and bfloat16
+    (parameter gradients 10-100x off, signs flipped). Not a half-precision bug: the dropouts
+    after the padded out_proj and MLP drew another CUDA mask on their narrowed inputs
+    (``CudaLikeDropout``; float32 fails the same way there). Fails at a4121b2, with the H200's
+    signature: blocks.*.mlp.2.bias, attn.out_proj.bias and attn.v_proj.bias worst."""
+    torch.manual_seed(0)
+    model, inputs = _lm(dtype)
+    fxopt.optimize(model, inputs, passes=[("pad_channels", FORCED)])  # CPU kernels: verified
+    with CudaLikeDropout():
+        gm = fxopt.optimize(model, inputs, passes=[("pad_channels", FORCED)])
+    assert gm.fxopt_report.verification.ok and gm.fxopt_report.passes[0].stats["padded_ops"] == 17
+
+
+class DropoutAfterPadding(nn.Module):
+    """Random ops after padded ops: on a view of one, on a channels_last conv, and in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 10)
+        self.conv = nn.Conv2d(3, 6, 1)
+        self.fc2 = nn.Linear(6, 10)
+        self.drop = nn.Dropout(0.5)
+        self.drop_in_place = nn.Dropout(0.5, inplace=True)
+
+    def forward(self, x, image):
+        a = self.drop(self.fc(x).transpose(0, 1))  # a view of a padded value
+        b = F.dropout(self.conv(image), 0.3)  # channels_last
+        c = self.fc2(x)
+        d = self.drop_in_place(c)  # writes into the padded value: keeps its view
+        return a, b, d + c * 2
+
+
+def test_random_ops_read_their_input_in_its_original_layout():
+    """Each out-of-place dropout reads a tensor with the strides it had in the original model
+    (dense: a copy of the narrowed real channels, in the original memory order), so its CUDA
+    mask is the same; the in-place dropout still writes through to the padded value."""
+    torch.manual_seed(0)
+    model = DropoutAfterPadding().to(memory_format=torch.channels_last)
+    inputs = (torch.randn(4, 6), torch.randn(2, 3, 5, 5).to(memory_format=torch.channels_last))
+    gm = trace(model, inputs)
+    result = pad_channels(gm, force=True)
+    assert result.stats["padded_ops"] == 3
+    layouts = []
+    for module in (trace(model, inputs), gm):
+        with CudaLikeDropout() as mode:
+            module(*inputs)
+        layouts.append(mode.seen)
+    assert layouts[0] == layouts[1]
+    assert layouts[1][1] == ((2, 6, 5, 5), (150, 1, 30, 6), True)  # channels_last, dense
+    copies = [n for n in gm.graph.nodes if n.target == "contiguous"]
+    assert [n.kwargs.get("memory_format") for n in copies] == [None, torch.channels_last]
+    in_place = next(n for n in gm.graph.nodes if n.target == "drop_in_place")
+    assert in_place.args[0].target is torch.narrow  # its write must reach the padded value
+    with CudaLikeDropout():
+        assert verify(model, gm, inputs).ok
+
+
+def test_layout_copies_are_planned_from_the_original_values():
+    model, inputs = models_zoo.build("transformer_lm")
+    gm = trace(model, inputs)
+    plan = plan_padding(gm, multiple=8, keep=lambda case: True)
+    copied = {(consumer.name, value.name): order
+              for consumer, values in plan.copies.items() for value, order in values.items()}
+    assert copied == {
+        ("blocks_0_attn_residual_dropout", "blocks_0_attn_out_proj"): (0, 1, 2),
+        ("blocks_0_mlp_residual_dropout", "blocks_0_mlp_2"): (0, 1, 2),
+        ("blocks_1_attn_residual_dropout", "blocks_1_attn_out_proj"): (0, 1, 2),
+        ("blocks_1_mlp_residual_dropout", "blocks_1_mlp_2"): (0, 1, 2),
+        ("output", "lm_head"): (0, 1, 2)}
+    x = torch.empty(2, 3, 4, 5)
+    assert memory_order(x) == (0, 1, 2, 3)
+    assert memory_order(x.to(memory_format=torch.channels_last)) == (0, 2, 3, 1)
+    assert memory_order(x.transpose(1, 3)) == (0, 3, 2, 1)
+    assert memory_order(x.narrow(1, 0, 2)) is None  # not dense: CUDA reads it in logical order
 
 def test_mobilenet_v2_residual_adds_stay_padded():
     # Verified in float64, at batch 4 on 64x64 images, so that the verdict does not hang on the
@@ -350,17 +506,76 @@ def _graph_with_input(dtype, device="cuda"):
     return gm
 
 
-def test_default_policy_pads_cuda_half_and_tf32_only():
-    assert padding_pays(_graph_with_input(torch.float16))[0] is True
-    assert padding_pays(_graph_with_input(torch.bfloat16))[0] is True
-    assert padding_pays(_graph_with_input(torch.float16, "cpu"))[0] is False
-    assert padding_pays(_graph_with_input(torch.float32))[0] is False
-    previous = torch.backends.cuda.matmul.allow_tf32
+OFF, CONVS, MATMULS = TensorCores(False, False), TensorCores(True, False), TensorCores(False, True)
+
+
+def test_default_policy_pads_cuda_half_and_float32_where_tf32_runs():
+    for cores in (OFF, CONVS, MATMULS):
+        assert padding_pays(_graph_with_input(torch.float16), cores)[0] is True
+        assert padding_pays(_graph_with_input(torch.bfloat16), cores)[0] is True
+        assert padding_pays(_graph_with_input(torch.float16, "cpu"), cores)[0] is False
+    assert padding_pays(_graph_with_input(torch.float32), OFF)[0] is False
+    # torch's defaults (cuDNN TF32 on, TF32 matmuls off): float32 convs use tensor cores (M7)
+    assert padding_pays(_graph_with_input(torch.float32), CONVS) == (
+        True, "CUDA float32 with TF32 cuDNN convs: tensor-core kernels want aligned channels")
+    assert padding_pays(_graph_with_input(torch.float32), MATMULS)[0] is True
+
+
+def test_tensor_cores_read_the_cudnn_and_matmul_switches():
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.allow_tf32
     try:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        assert padding_pays(_graph_with_input(torch.float32))[0] is True
+        matmul.allow_tf32 = False
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+            assert TensorCores.current() == CONVS  # torch's defaults
+        with torch.backends.cudnn.flags(enabled=False, allow_tf32=True):
+            assert TensorCores.current() == OFF  # native convs: no TF32
+        matmul.allow_tf32 = True
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            assert TensorCores.current() == MATMULS
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        matmul.allow_tf32 = previous
+
+
+def _cuda_float32_cnn():
+    """odd_channel_cnn (3 convs and a Linear) whose input meta says CUDA float32 (no GPU)."""
+    model, inputs = models_zoo.build("odd_channel_cnn")
+    gm = trace(model, inputs)
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            with val.fake_mode:
+                node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
+                                                       device="cuda")
+    return gm
+
+
+def test_float32_policy_pads_only_the_ops_tf32_runs():
+    """cuDNN TF32 alone: the convs are timed (and kept when faster), the Linear is declined
+    untimed; TF32 matmuls alone: the reverse. Forced: everything, whatever the switches."""
+    timed = []
+
+    def faster(case):
+        timed.append(case.op)
+        return 1.0, 0.5
+
+    no_tf32_matmul = "float32 matmul with TF32 matmuls off " \
+        "(torch.backends.cuda.matmul.allow_tf32) runs no tensor-core kernels"
+    no_tf32_conv = "float32 conv with cuDNN TF32 off (torch.backends.cudnn.allow_tf32) " \
+        "runs no tensor-core kernels"
+    gm = _cuda_float32_cnn()
+    for cores, kept, declined in ((CONVS, ["_0", "_3", "_6"], {"_11": no_tf32_matmul}),
+                                  (MATMULS, ["_11"], dict.fromkeys(["_0", "_3", "_6"],
+                                                                   no_tf32_conv))):
+        timed.clear()
+        decider = default_decider(gm, measure=None, timer=faster, force=False, cores=cores)
+        plan = plan_padding(gm, multiple=8, keep=decider.keep)
+        assert [n.name for n in plan.anchors] == kept and plan.declined == declined
+        assert len(timed) == len(kept)
+    forced = default_decider(gm, measure=None, timer=None, force=True, cores=OFF)
+    assert len(plan_padding(gm, multiple=8, keep=forced.keep).anchors) == 4
+    half = TimingCase("conv2d", (), (), (), (), (), "torch.float16", "cuda")
+    assert Decider(cores=OFF).keep(half) is True
 
 
 def test_measured_policy_keeps_only_faster_pads_and_times_each_case_once():
@@ -457,6 +672,26 @@ def test_cuda_half_policy_measures_and_verifies():
     assert "timings_ms" in result.stats  # every candidate was timed on the device
     assert verify(model, gm, inputs).ok
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_dropout_mask_follows_the_layout_and_forced_padding_verifies(dtype):
+    """The premise of CudaLikeDropout, on the device: under one seed, dropout of a narrowed view
+    drops other elements than dropout of the same values made dense; then the H200's failure,
+    the forced pad of transformer_lm, verifies."""
+    padded = torch.randn(64, 16, 104, device="cuda", dtype=dtype)
+    masks = []
+    for x in (padded.narrow(-1, 0, 100), padded.narrow(-1, 0, 100).contiguous()):
+        torch.cuda.manual_seed(0)
+        masks.append(F.dropout(x, 0.5) == 0)
+    assert not torch.equal(masks[0], masks[1])
+    torch.manual_seed(0)
+    model, inputs = models_zoo.build("transformer_lm", 4)
+    model = model.to("cuda", dtype)
+    gm = fxopt.optimize(model, tuple(t.cuda() for t in inputs),
+                        passes=[("pad_channels", FORCED)])
+    assert gm.fxopt_report.verification.ok
 
 def test_padded_batchnorm_called_twice_under_checkpointing():
     """fuzz_long's reproducer (2026-11-23): the BatchNorm called twice, once inside a candidate

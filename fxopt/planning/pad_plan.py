@@ -21,6 +21,19 @@ two such values or with a number, and division by a nonzero number. Every other 
 the original shape back. Dropout is such a consumer on purpose: its random mask depends on the
 tensor's shape, so a padded dropout would drop different elements than the original model.
 
+What an unpadded consumer gets back is a view (``narrow``) of the real channels: not dense, with
+the padded tensor's strides. Where that could change the result, the plan says to give the
+consumer a dense copy laid out in memory as the original value was (``PadPlan.copies``):
+
+- a random op (``fxopt.analysis.randomness``) reading the value or a view of it. Its result
+  depends on the memory layout, not only on the values: on CUDA, ``native_dropout`` draws its mask
+  in memory order with a vectorised kernel for a dense input and in a grid-stride order for any
+  other, so the same seed drops different elements of a narrowed view than of the original dense
+  tensor (the padded transformer_lm's wrong gradients on an H200, 2026-11-27). The CPU dropout
+  draws in logical order and hid it. In-place random ops keep the view (their write must reach
+  the padded value; torch draws their noise on ``empty_like``, in logical order for both);
+- the graph's outputs, ``view``/``view_as`` and user modules, which may rely on the layout.
+
 Not handled: ops inside opaque leaves, modules with hooks, subclasses of the listed modules,
 convs with a padding_mode other than zeros, grouped ConvTranspose, 1-D matmul operands, and a
 BatchNorm module the graph calls more than once (its padding stops there: the input is sliced).
@@ -38,6 +51,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fxopt.analysis.aliases import alias_classes
+from fxopt.analysis.randomness import draws_random_numbers
+from fxopt.analysis.writes import overwritten_inputs
 from fxopt.core.modules import has_hooks
 from fxopt.planning.pad_policy import TimingCase
 
@@ -101,6 +117,9 @@ class PadPlan:
     norms: dict[fx.Node, NormPlan] = field(default_factory=dict)
     layout: dict[fx.Node, Padded] = field(default_factory=dict)
     takes_padded: dict[fx.Node, set[fx.Node]] = field(default_factory=dict)
+    # consumer -> {input -> its original memory order, outermost dim first; () or the identity:
+    # contiguous}: give the consumer a dense copy of the input laid out so
+    copies: dict[fx.Node, dict[fx.Node, tuple[int, ...]]] = field(default_factory=dict)
     declined: dict[str, str] = field(default_factory=dict)
 
 
@@ -462,17 +481,19 @@ def _norm_plan(gm: fx.GraphModule, node: fx.Node, layout: dict[fx.Node, Padded]
 # --- the plan ---------------------------------------------------------------------------------
 
 def plan_padding(gm: fx.GraphModule, *, multiple: int,
-                 keep: Callable[[TimingCase], bool]) -> PadPlan:
-    """Walk ``gm`` in order: pad each anchor that ``keep`` accepts, and follow the padding."""
+                 keep: Callable[[TimingCase], bool | str]) -> PadPlan:
+    """Walk ``gm`` in order: pad each anchor that ``keep`` accepts (True; False or a reason
+    declines it), and follow the padding."""
     plan = PadPlan()
     for node in gm.graph.nodes:
         heavy = _heavy(gm, node)
         if heavy is not None:
             anchor = _plan_heavy(gm, node, heavy, plan.layout, multiple)
+            verdict = keep(anchor.case) if isinstance(anchor, AnchorPlan) else None
             if isinstance(anchor, str):
                 plan.declined[node.name] = anchor
-            elif anchor is not None and not keep(anchor.case):
-                plan.declined[node.name] = "measured: not faster padded"
+            elif anchor is not None and verdict is not True:
+                plan.declined[node.name] = verdict or "measured: not faster padded"
             elif anchor is not None:
                 plan.anchors[node] = anchor
                 plan.takes_padded[node] = {o.source for o in anchor.operands
@@ -490,4 +511,65 @@ def plan_padding(gm: fx.GraphModule, *, multiple: int,
         if state is not None:
             plan.layout[node] = state
             plan.takes_padded[node] = {a for a in node.all_input_nodes if a in plan.layout}
+    if plan.layout:
+        plan.copies = _layout_copies(gm, plan)
     return plan
+
+
+# --- consumers that get a dense copy in the original layout ----------------------------------
+
+def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """``t``'s dims from outermost to innermost in memory when ``t`` is dense (no gaps, no
+    overlaps), else None. Contiguous: ``(0, 1, ..., n-1)``; channels_last: ``(0, 2, 3, 1)``."""
+    if t.is_contiguous():
+        return tuple(range(t.dim()))
+    for memory_format, order in ((torch.channels_last, (0, 2, 3, 1)),
+                                 (torch.channels_last_3d, (0, 2, 3, 4, 1))):
+        if t.dim() == len(order) and t.is_contiguous(memory_format=memory_format):
+            return order
+    sizes, strides = tuple(t.shape), tuple(t.stride())
+    if not all(isinstance(v, int) for v in (*sizes, *strides)):  # symbolic: cannot tell
+        return None
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], d)))
+    expected = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != expected:
+            return None
+        expected *= sizes[d]
+    return order
+
+
+def _relies_on_layout(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` may rely on its input's layout: outputs, ``view``, user modules."""
+    if node.op == "output" or (node.op == "call_method" and node.target in ("view", "view_as")):
+        return True
+    if node.op == "call_module":
+        return not type(gm.get_submodule(node.target)).__module__.startswith("torch.")
+    return False
+
+
+def _layout_copies(gm: fx.GraphModule, plan: PadPlan) -> dict[fx.Node, dict[fx.Node, tuple]]:
+    """The unpadded consumers that must get a dense copy of an input in its original layout
+    (see the module docstring), from the original graph's fake values."""
+    classes = alias_classes(gm)
+    padded = {classes[v] for v in plan.layout if v in classes}
+    copies: dict[fx.Node, dict[fx.Node, tuple[int, ...]]] = {}
+    for node in gm.graph.nodes:
+        if node in plan.layout or node in plan.anchors:
+            continue  # takes its inputs padded
+        if node.op != "output" and draws_random_numbers(gm, node):
+            written = overwritten_inputs(gm, node)
+            wanted = [v for v in node.all_input_nodes
+                      if classes.get(v) in padded and v not in written]
+        elif _relies_on_layout(gm, node):
+            wanted = [v for v in node.all_input_nodes if v in plan.layout]
+        else:
+            continue
+        for value in wanted:
+            val = value.meta.get("val")
+            order = memory_order(val) if isinstance(val, torch.Tensor) else None
+            if order is None and value in plan.layout:
+                order = ()  # a padded value was made dense; its order unknown: contiguous
+            if order is not None:  # an input that was not dense: CUDA reads it in logical order
+                copies.setdefault(node, {})[value] = order
+    return copies

@@ -1,22 +1,32 @@
-"""When channel padding pays: a quick verdict from device and dtype, then a timing per padded op.
+"""When channel padding pays: a quick verdict from device and dtype, then a verdict per padded op.
 
 ``padding_pays(gm)`` is the cheap first question ``passes.pad_channels`` asks before any analysis:
 aligned channel counts speed up tensor-core kernels, so padding is on for CUDA float16/bfloat16
-graphs and for float32 with TF32 matmuls enabled (``torch.backends.cuda.matmul.allow_tf32`` or
-``torch.set_float32_matmul_precision("high")``), and off on CPU and for plain float32. It reads
-the device and dtype of parameters, buffers and inputs, so a model that runs in float32 under
-``torch.autocast`` looks like float32: pass ``force=True`` to pad it anyway.
+graphs, and for CUDA float32 graphs when TF32 tensor cores run some of their ops. Those are two
+switches (``TensorCores``): cuDNN convolutions use TF32 when ``torch.backends.cudnn.allow_tf32``
+is on (torch's default: True, so float32 convs run on tensor cores out of the box), cuBLAS matmuls
+and linears when ``torch.backends.cuda.matmul.allow_tf32`` is on or
+``torch.set_float32_matmul_precision`` is "high"/"medium" (default: off). Off on CPU and for
+float32 with both off. It reads the device and dtype of parameters, buffers and inputs, so a
+model that runs in float32 under ``torch.autocast`` looks like float32: pass ``force=True`` to pad
+it anyway.
 
-``Decider.keep(case)`` then decides per op, like Inductor's matmul padding: the op's forward and
-backward are timed once unpadded and once padded (weight pads, and the input pad when its input
-arrives unpadded, included), alternately, and the pad is kept only if it is faster by more than
+``Decider.keep(case)`` then decides per op. Unless forced, an op with no tensor-core kernel is
+declined without timing (a float32 conv with cuDNN TF32 off, a float32 linear or matmul with
+TF32 matmuls off). The rest, like Inductor's matmul padding: the op's forward and backward are
+timed once unpadded and once padded (weight pads, and the input pad when its input arrives
+unpadded, included), alternately, and the pad is kept only if it is faster by more than
 ``margin``. A Decider keeps its timings per (op, shapes, options, dtype, device) for its own life
 (one pass run); on CUDA they are also kept in ``$FXOPT_CACHE_DIR/pad_timings.json`` (default
 ``~/.cache/fxopt``) keyed by GPU name, torch and cuDNN versions and the backend settings that
 change which kernels run (``backend_settings()``: cuDNN enabled/benchmark/deterministic, TF32
 for convolutions and matmuls, float32 matmul precision), so a timing taken under other settings
-is never reused. A cache file that cannot be read or written is ignored. The timer is
-injectable (``Decider(timer=...)``), which is how the decision logic is tested without a GPU.
+is never reused. A cache file that cannot be read or written is ignored.
+
+Testable without a GPU: ``padding_pays``, ``default_decider`` and ``Decider`` take the backend
+facts as a ``TensorCores`` (default: read from torch, ``TensorCores.current()``), the device and
+dtypes come from the graph's fake values (a graph whose meta says CUDA needs no GPU), and the timer
+is injectable (``Decider(timer=...)``).
 """
 
 from __future__ import annotations
@@ -67,9 +77,80 @@ class TimingCase:
 Timer = Callable[[TimingCase], tuple[float, float]]  # -> (unpadded seconds, padded seconds)
 
 
-def tf32_enabled() -> bool:
-    return bool(torch.backends.cuda.matmul.allow_tf32) or \
-        torch.get_float32_matmul_precision() != "highest"
+_CONVS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                    "conv_transpose3d"})
+
+
+def _precision(*levels: Any) -> str:
+    """torch's newer TF32 switches (``fp32_precision``: "tf32", "ieee" or "none" = as the level
+    above), most specific first."""
+    for level in levels:
+        value = getattr(level, "fp32_precision", "none") if level is not None else "none"
+        if value != "none":
+            return value
+    return "ieee"
+
+
+def _conv_tf32() -> bool:
+    cudnn = torch.backends.cudnn
+    try:
+        return bool(cudnn.allow_tf32)
+    except RuntimeError:  # torch refuses the legacy flag after a mix of old and new switches
+        return _precision(getattr(cudnn, "conv", None), cudnn, torch.backends) == "tf32"
+
+
+def _matmul_tf32() -> bool:
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32) or \
+            torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:  # as in _conv_tf32
+        return _precision(torch.backends.cuda.matmul, getattr(torch.backends, "cuda", None),
+                          torch.backends) == "tf32"
+
+
+@dataclass(frozen=True)
+class TensorCores:
+    """Which float32 ops run on TF32 tensor cores (half precision always does, on CUDA).
+
+    ``conv_tf32``: cuDNN convolutions (``torch.backends.cudnn.enabled`` and its TF32 switch).
+    ``matmul_tf32``: cuBLAS linears and matmuls (TF32 matmuls, or float32 matmul precision
+    "high"/"medium"). Pass one to the policy to decide for a device without reading it.
+    """
+
+    conv_tf32: bool
+    matmul_tf32: bool
+
+    @classmethod
+    def current(cls) -> TensorCores:
+        """The switches as torch has them now."""
+        return cls(conv_tf32=bool(torch.backends.cudnn.enabled) and _conv_tf32(),
+                   matmul_tf32=_matmul_tf32())
+
+    def run(self, op: str, dtype: str) -> bool:
+        """Whether a CUDA ``op`` (a key of ``OPS``) in ``dtype`` ("torch.float16") runs on tensor
+        cores, so that aligned channels can pay."""
+        name = dtype.removeprefix("torch.")
+        if name in ("float16", "bfloat16"):
+            return True
+        if name != "float32":
+            return False
+        return self.conv_tf32 if op in _CONVS else self.matmul_tf32
+
+    def why_not(self, op: str, dtype: str) -> str:
+        name = dtype.removeprefix("torch.")
+        if name != "float32":
+            return f"{name} runs no tensor-core kernels"
+        if op in _CONVS:
+            return "float32 conv with cuDNN TF32 off (torch.backends.cudnn.allow_tf32) " \
+                   "runs no tensor-core kernels"
+        return "float32 matmul with TF32 matmuls off (torch.backends.cuda.matmul.allow_tf32) " \
+               "runs no tensor-core kernels"
+
+
+def tf32_enabled(cores: TensorCores | None = None) -> bool:
+    """Whether some float32 op (convs or matmuls) runs on TF32 tensor cores."""
+    cores = TensorCores.current() if cores is None else cores
+    return cores.conv_tf32 or cores.matmul_tf32
 
 
 def graph_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
@@ -80,8 +161,10 @@ def graph_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point()]
 
 
-def padding_pays(gm: fx.GraphModule) -> tuple[bool, str]:
-    """(whether to pad by default, why): decided from devices and dtypes only, in microseconds."""
+def padding_pays(gm: fx.GraphModule, cores: TensorCores | None = None) -> tuple[bool, str]:
+    """(whether to pad by default, why): decided from devices and dtypes only, in microseconds.
+
+    ``cores``: the TF32 switches (default: ``TensorCores.current()``)."""
     tensors = graph_tensors(gm)
     cuda = [t for t in tensors if t.device.type == "cuda"]
     if not cuda:
@@ -92,9 +175,12 @@ def padding_pays(gm: fx.GraphModule) -> tuple[bool, str]:
     if dtypes & set(_HALF):
         names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes & set(_HALF)))
         return True, f"CUDA {names}: tensor-core kernels want aligned channels"
-    if torch.float32 in dtypes and tf32_enabled():
-        return True, "CUDA float32 with TF32 matmuls: tensor-core kernels want aligned channels"
-    return False, ("CUDA float32 without TF32 runs no tensor-core kernels "
+    cores = TensorCores.current() if cores is None else cores
+    if torch.float32 in dtypes and tf32_enabled(cores):
+        which = " and ".join(name for name, on in (("cuDNN convs", cores.conv_tf32),
+                                                    ("matmuls", cores.matmul_tf32)) if on)
+        return True, f"CUDA float32 with TF32 {which}: tensor-core kernels want aligned channels"
+    return False, ("CUDA float32 without TF32 (cuDNN or matmul) runs no tensor-core kernels "
                    "(pad_channels{force=true} pads anyway, e.g. for autocast)")
 
 
@@ -102,15 +188,22 @@ def padding_pays(gm: fx.GraphModule) -> tuple[bool, str]:
 class Decider:
     """Keeps a pad when ``timer`` says the padded op is faster by more than ``margin``.
 
-    Without a timer every pad is kept (``force=True``, or measuring switched off).
+    ``cores``: when given, a CUDA op that runs no tensor-core kernel under these switches is
+    declined first, untimed. Without a timer every other pad is kept (``force=True``, or
+    measuring switched off).
     """
 
     timer: Timer | None = None
     margin: float = 0.03
     cache_file: Path | None = None
     timings: dict[TimingCase, tuple[float, float]] = field(default_factory=dict)
+    cores: TensorCores | None = None
 
-    def keep(self, case: TimingCase) -> bool:
+    def keep(self, case: TimingCase) -> bool | str:
+        """True: pad it. False (measured slower) or a reason: leave it unpadded."""
+        if self.cores is not None and case.device.startswith("cuda") and \
+                not self.cores.run(case.op, case.dtype):
+            return self.cores.why_not(case.op, case.dtype)
         if self.timer is None:
             return True
         original, padded = self.seconds(case)
@@ -136,23 +229,33 @@ class Decider:
 def backend_settings() -> tuple[tuple[str, Any], ...]:
     """The global switches that change which convolution and matmul kernels run."""
     cudnn = torch.backends.cudnn
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:  # torch refuses it after a mix of old and new TF32 switches
+        precision = _precision(torch.backends.cuda.matmul, torch.backends)
     return (("cudnn", cudnn.enabled), ("cudnn_benchmark", cudnn.benchmark),
-            ("cudnn_deterministic", cudnn.deterministic), ("cudnn_tf32", cudnn.allow_tf32),
-            ("matmul_tf32", torch.backends.cuda.matmul.allow_tf32),
-            ("float32_matmul_precision", torch.get_float32_matmul_precision()))
+            ("cudnn_deterministic", cudnn.deterministic), ("cudnn_tf32", _conv_tf32()),
+            ("matmul_tf32", _matmul_tf32()), ("float32_matmul_precision", precision))
 
 
 def default_decider(gm: fx.GraphModule, *, measure: bool | None, timer: Timer | None,
-                    force: bool) -> Decider:
-    """The decider ``pad_channels`` uses: see the module docstring for when it measures."""
+                    force: bool, cores: TensorCores | None = None) -> Decider:
+    """The decider ``pad_channels`` uses: see the module docstring for when it measures.
+    Unless ``force``, it declines CUDA ops without tensor-core kernels under ``cores`` (default:
+    ``TensorCores.current()``)."""
+    if force:
+        cores = None
+    elif cores is None:
+        cores = TensorCores.current()
     if measure is False or (measure is None and timer is None and force):
-        return Decider()
+        return Decider(cores=cores)
     if timer is not None:
-        return Decider(timer)
+        return Decider(timer, cores=cores)
     device = graph_device(gm)
     if measure is None and device.type != "cuda":
-        return Decider()
-    return Decider(time_case, cache_file=default_cache_file() if device.type == "cuda" else None)
+        return Decider(cores=cores)
+    return Decider(time_case, cache_file=default_cache_file() if device.type == "cuda" else None,
+                   cores=cores)
 
 
 def default_cache_file() -> Path:
