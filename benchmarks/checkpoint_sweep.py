@@ -2,6 +2,7 @@
 
     python benchmarks/checkpoint_sweep.py [--models resnet50,densenet121,unet,transformer_block]
         [--budgets auto | 1.0,0.8,...,min] [--repeats 3] [--peers / --no-peers]
+        [--compile / --no-compile]
         [--predict-only] [--device cpu | cuda]
 
 For each model, at a training-sized input, and each budget (a fraction of activation memory, or
@@ -177,7 +178,8 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
     if args.predict_only or not args.peers:
         return points, original_act
     peer_runs = [("checkpoint_sequential", "-", 1.0)] + [
-        ("torch_compile_min_cut", f, float(f)) for f in fractions if f != "min"]
+        ("torch_compile_min_cut", f, float(f)) for f in fractions
+        if f != "min" and args.compile]
     for peer, label, value in peer_runs:
         variant, note = build_peer(peer, model, inputs, value)
         if variant is None:
@@ -229,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "evenly from 1.0 to the least-memory plan's, and 'min'")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="with the peers, torch.compile's min-cut partitioner (Inductor's "
+                             "compile takes minutes on ResNet-50)")
     parser.add_argument("--predict-only", action="store_true")
     parser.add_argument("--device", default="cpu",
                         help="cpu (inputs: INPUTS) or cuda (larger inputs: CUDA_INPUTS)")

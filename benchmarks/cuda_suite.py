@@ -1,7 +1,7 @@
 """CUDA validation in one command: the CUDA tests and the CUDA benchmarks, within ten minutes.
 
     python benchmarks/cuda_suite.py --out DIR [--budget-seconds 560]
-        [--only tests,estimate,pad,sweep,hf] [--commit SHA] [--dry-run]
+        [--only tests,estimate,lm,main,sweep,pad,hf] [--commit SHA] [--dry-run]
 
 Runs each part as a subprocess with a time limit of its own, in order of value, and writes
 ``DIR/<result>_cuda.txt`` per part (the names pair with ``benchmarks/results/*_cpu.txt``):
@@ -10,11 +10,18 @@ Runs each part as a subprocess with a time limit of its own, in order of value, 
    marked ``cuda`` and those only skipped unless ``torch.cuda.is_available()``;
 2. ``estimate`` -> ``estimate_accuracy_cuda.txt``: ``estimate_peak`` vs the caching allocator's
    measured peak (``torch.cuda.max_memory_allocated``), every zoo model at batch 1 and 64;
-3. ``pad`` -> ``pad_channels_cuda.txt``: channel padding in float16 and bfloat16, odd channel
+3. ``lm`` -> ``lm_memory_cuda.txt``: a Llama-3.2-1B-width model in bfloat16 with AdamW, 4,096
+   tokens a batch: the original, HF gradient checkpointing, HF checkpointing + Liger's fused
+   linear cross-entropy (when ``liger_kernel`` imports) and fxopt's arms; the caching
+   allocator's peaks and median step times, one run;
+4. ``main`` -> ``main_job_cuda.txt``: the README's main job (``zoo:unet``, budget 0.6) on the
+   GPU: peaks before and after, step times alternated;
+5. ``sweep`` -> ``checkpoint_sweep_cuda.txt``: ResNet-50 at 32x3x224x224, fxopt at 0.5 and
+   ``"min"`` vs ``checkpoint_sequential`` (torch.compile's min-cut is left out: its compile
+   alone takes minutes);
+6. ``pad`` -> ``pad_channels_cuda.txt``: channel padding in float16 and bfloat16, odd channel
    counts (30/60/100) and an LM head of vocab 50257;
-4. ``sweep`` -> ``checkpoint_sweep_cuda.txt``: fxopt's checkpointing vs ``checkpoint_sequential``
-   vs torch.compile's min-cut partitioner (Inductor), one subprocess per model;
-5. ``hf`` -> ``hf_checkpointing_cuda.txt``: fxopt vs Hugging Face gradient checkpointing on a
+7. ``hf`` -> ``hf_checkpointing_cuda.txt``: fxopt vs Hugging Face gradient checkpointing on a
    GPT-2 of vocab 50257 (needs transformers).
 
 Each file starts with a header (date, device, torch, python, command, commit, time limit), then
@@ -107,36 +114,44 @@ def cuda_tests() -> list[str]:
 
 
 def plan() -> list[Part]:
-    """Every part, in order of value, with its commands and nominal seconds (sized for an H100:
-    training peaks of hundreds of MiB to several GiB; budgets each model can reach)."""
+    """Every part, in order of value, with its commands and nominal seconds (sized for an H100 or
+    H200 inside ten minutes together: the 2026-11-27 H200 run gave each its share of 240 s and
+    cut pad and both sweeps; torch.compile's ResNet-50 compile alone took over a minute)."""
     python = "python"
     return [
         Part("tests", "tests", "the CUDA tests (marked cuda, or skipped without a GPU)", (
             Step((python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                  *(cuda_tests() or ["-m", "cuda", "tests"])), 50),)),
+                  *(cuda_tests() or ["-m", "cuda", "tests"])), 30),)),
         Part("estimate", "estimate_accuracy", "estimate_peak vs the CUDA caching allocator", (
             Step((python, "benchmarks/estimate_accuracy.py", "--device", "cuda",
-                  "--batches", "1,64"), 50),)),
+                  "--batches", "1,64"), 35),)),
+        # Issue 36's table: a Llama-3.2-1B-width model (8 layers, 749 M parameters) in bf16,
+        # AdamW, 2 x 2048 tokens; the original, HF checkpointing (+ Liger), fxopt's arms.
+        Part("lm", "lm_memory", "language model, bf16: fxopt vs HF checkpointing (+ Liger)", (
+            Step((python, "benchmarks/lm_memory.py", "--device", "cuda", "--dtype", "bfloat16",
+                  "--config", "llama-1b", "--layers", "8", "--seq", "2048", "--batch", "2",
+                  "--steps", "5"), 210),)),
+        # The README's main job on the GPU (issue 32: step time at budget 0.6).
+        Part("main", "main_job", "the README's main job: zoo:unet 8x3x64x64 at budget 0.6", (
+            Step((python, "-m", "fxopt", "optimize", "zoo:unet", "--input-shape", "8,3,64,64",
+                  "--memory-budget", "0.6", "--device", "cuda", "--repeats", "20"), 30),)),
+        # ResNet-50 at 32x3x224x224 (issue 32's targets); checkpoint_sequential as the peer,
+        # torch.compile's min-cut left out (its compile takes minutes).
+        Part("sweep", "checkpoint_sweep", "checkpointing: fxopt vs checkpoint_sequential", (
+            Step((python, "benchmarks/checkpoint_sweep.py", "--device", "cuda",
+                  "--models", "resnet50", "--budgets", "0.5,min", "--repeats", "3",
+                  "--no-compile"), 90),)),
         Part("pad", "pad_channels", "channel padding, float16 and bfloat16, vocab 50257", (
-            Step((python, "benchmarks/pad_channels.py", "--device", "cuda", "--repeats", "10"),
-                 70),)),
-        # One subprocess per model: ResNet-50's Inductor compile (the last peer row) may run out
-        # of time; its fxopt and checkpoint_sequential rows print before it.
-        Part("sweep", "checkpoint_sweep",
-             "checkpointing: fxopt vs checkpoint_sequential vs torch.compile min-cut", (
-                 Step((python, "benchmarks/checkpoint_sweep.py", "--device", "cuda",
-                       "--models", "transformer_block", "--budgets", "0.75,min",
-                       "--repeats", "3"), 60),
-                 Step((python, "benchmarks/checkpoint_sweep.py", "--device", "cuda",
-                       "--models", "resnet50", "--budgets", "0.5,min", "--repeats", "3"), 140))),
+            Step((python, "benchmarks/pad_channels.py", "--device", "cuda", "--repeats", "5"),
+                 60),)),
         # GPT-2 small's width, sequence and vocabulary at half its depth: a 7.4 GiB predicted
         # training peak; fxopt's least-memory plan reaches about 4.2 GiB (fraction ~0.55).
         Part("hf", "hf_checkpointing",
-             "Hugging Face GPT-2: fxopt vs gradient checkpointing vs torch.compile min-cut", (
+             "Hugging Face GPT-2: fxopt vs gradient checkpointing", (
                  Step((python, "benchmarks/hf_checkpointing.py", "--device", "cuda",
                        "--models", "gpt2", "--layers", "6", "--hidden", "768", "--seq", "1024",
                        "--batch", "4", "--vocab", "50257", "--budgets", "0.7,min",
-                       "--repeats", "3"), 150),)),
+                       "--repeats", "3", "--no-peers"), 90),)),
     ]
 
 

@@ -44,6 +44,7 @@ def test_dry_run_lists_every_part_its_commands_and_limits_and_runs_nothing(tmp_p
     assert done.returncode == 0, done.stderr
     out = done.stdout
     for key, result in [("tests", "tests"), ("estimate", "estimate_accuracy"),
+                        ("lm", "lm_memory"), ("main", "main_job"),
                         ("pad", "pad_channels"), ("sweep", "checkpoint_sweep"),
                         ("hf", "hf_checkpointing")]:
         assert f"\n{key} -> {result}_cuda.txt" in out
@@ -59,7 +60,7 @@ def test_only_selects_parts_and_an_unknown_part_is_a_usage_error(capsys):
     assert suite.main(["--dry-run", "--only", "pad,hf", "--budget-seconds", "100"]) == 0
     out = capsys.readouterr().out
     assert "pad -> " in out and "hf -> " in out and "sweep -> " not in out
-    assert "limit 32 s" in out and "limit 68 s" in out  # shares 70:150 of 100 s
+    assert "limit 40 s" in out and "limit 60 s" in out  # shares 60:90 of 100 s
     with pytest.raises(SystemExit) as exit_:
         suite.main(["--dry-run", "--only", "pad,nope"])
     assert exit_.value.code == 2 and "unknown part(s) nope" in capsys.readouterr().err
@@ -85,14 +86,47 @@ def test_without_cuda_the_script_itself_exits_2(tmp_path):
 def test_every_benchmark_step_parses_its_arguments_and_takes_device_cpu_or_cuda():
     steps = script_steps()
     assert {path.name for path, _ in steps} == {
-        "estimate_accuracy.py", "pad_channels.py", "checkpoint_sweep.py", "hf_checkpointing.py"}
+        "estimate_accuracy.py", "lm_memory.py", "pad_channels.py", "checkpoint_sweep.py",
+        "hf_checkpointing.py"}
     for path, arguments in steps:
-        if path.name == "hf_checkpointing.py":
+        if path.name in ("hf_checkpointing.py", "lm_memory.py"):
             pytest.importorskip("transformers")
         parser = load(path).build_parser()
         args = parser.parse_args(arguments)  # every flag the suite passes exists
         assert args.device == "cuda", path.name
         assert parser.parse_args(["--device", "cpu"]).device == "cpu"
+
+
+def test_the_main_job_step_is_the_readme_command_on_cuda_and_parses():
+    from fxopt.cli.commands import build_parser
+
+    main_job, = [step for part in suite.plan() if part.key == "main" for step in part.steps]
+    assert main_job.argv[1:3] == ("-m", "fxopt")
+    args = build_parser().parse_args(list(main_job.argv[3:]))
+    assert args.device == "cuda" and args.memory_budget == "0.6"
+
+
+def test_the_lm_part_runs_its_gpu_arms_with_a_stand_in_allocator(monkeypatch, capsys):
+    """The GPU table's code path (one arm at a time, the allocator's peak over the steps,
+    losses against the original's) on the CPU, with torch.cuda's readers stood in: a GPU
+    session must not be the first to run it."""
+    pytest.importorskip("transformers")
+    lm = load(ROOT / "benchmarks" / "lm_memory.py")
+    readings = iter(range(1, 10**6))
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name in ("max_memory_allocated", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: next(readings) * 2**20)
+    args = lm.parse(["--device", "cpu", "--dtype", "bfloat16", "--models", "llama",
+                     "--hidden", "32", "--layers", "2", "--seq", "32", "--vocab", "600",
+                     "--steps", "2", "--arms", "original,hf_gc,hf_gc_liger,min_loss_fused"])
+    lm.run_model_on_gpu("llama", args, print)
+    out = capsys.readouterr().out
+    assert "hf_gc_liger: left out" in out  # no Liger without a GPU
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.split() and line.split()[0] in ("original", "hf_gc", "min_loss_fused")}
+    assert set(rows) == {"original", "hf_gc", "min_loss_fused"}
+    assert "bfloat16 on cpu" in out and "verified at" in rows["min_loss_fused"]
 
 
 def test_the_sweep_has_cuda_inputs_for_every_model_it_runs():

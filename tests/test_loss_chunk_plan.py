@@ -144,3 +144,33 @@ def test_optimize_under_a_budget_sizes_the_chunks_with_the_plan():
     assert site["chunk_rows"] == "open"
     assert records["checkpoint"].stats["loss_chunk_rows"] > MIN_CHUNK_ROWS
     assert gm.fxopt_report.verification.ok
+
+
+@pytest.mark.parametrize("outputs", ["all", "loss"])
+def test_fake_runs_sample_three_chunks_and_predict_the_whole_loops_peak(outputs):
+    """A prediction runs chunks 0, 1 and the last of the loss's loops (chunks_sampled); the
+    peak it predicts is the measured peak of the real loop over all of them."""
+    from fxopt.analysis.estimate import estimate_train_peak
+    from fxopt.runtime import chunked_loss as runtime
+
+    model, inputs = seeded(HeadOnly, 512, 8), _ids(512, 2, 200)  # 400 tokens: 25 chunks of 16
+    gm = capture(model, inputs)
+    chunked_loss(gm, chunk_rows=MIN_CHUNK_ROWS, outputs=outputs, force=True)
+    seen = []
+    real_starts = runtime.chunk_starts
+
+    def counted(rows, size):
+        starts = real_starts(rows, size)
+        seen.append(len(starts))
+        return starts
+
+    runtime.chunk_starts, restore = counted, real_starts
+    try:
+        predicted = estimate_train_peak(gm, inputs).bytes
+        assert seen and max(seen) == 3  # sampled on fakes
+        seen.clear()
+        measured = measure_train_step(gm, inputs).peak_bytes
+        assert seen and min(seen) == 25  # every chunk for real
+    finally:
+        runtime.chunk_starts = restore
+    assert predicted == measured

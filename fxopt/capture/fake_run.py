@@ -13,6 +13,10 @@ saves for backward. Its size depends on oneDNN's internal layout, which no API e
 probed once per argument signature by running that one layer for real on zeros (cached; the
 only real compute in a fake run, and the probe's memory is the layer's own).
 
+A chunked LM loss (``fxopt.runtime.chunked_loss``) runs three of its chunks on fakes
+(``chunks_sampled``): the others allocate and free exactly as the second does, so the memory
+observed is the whole loop's.
+
 Opaque leaves that cannot run on fakes replay what they did on a real run on the example inputs
 (``fxopt.capture.leaf_tape.leaves_replayed``), so a fake run sees what they allocate and save.
 
@@ -33,6 +37,7 @@ from torch import nn
 
 from fxopt.capture.leaf_tape import leaves_replayed, unrecorded_leaves_stood_in
 from fxopt.core.state import preserved_rng
+from fxopt.runtime.chunked_loss import chunks_sampled
 from fxopt.core.step import as_args
 from fxopt.core.tensors import storage_bytes, storage_key
 from fxopt.core.torch_private import (
@@ -173,7 +178,7 @@ def on_fake_tensors(module: nn.Module, example_inputs: Any) -> Iterator[FakeRun]
     state = {name: convert(t) for name, t in real_state.items()}
     inputs = tree_map_only(torch.Tensor, convert, as_args(example_inputs))
     with preserved_rng(), reparametrized(module, state), mode, RealSizedOutputs(), \
-            leaves_replayed(module):
+            leaves_replayed(module), chunks_sampled():
         yield FakeRun(mode, inputs, state)
 
 
