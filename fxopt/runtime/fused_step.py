@@ -101,7 +101,7 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 DEFAULT_BUCKET_BYTES = 2**20  # parameters smaller than this are stepped a few at a time
 @contextlib.contextmanager
 def paused(parameters: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Inside, the ``FusedOptimizer``\ s stepping any of ``parameters`` leave backward alone:
+    """Inside, the fused optimizers stepping any of ``parameters`` leave backward alone:
     gradients accumulate in ``.grad`` as without fusing, nothing is stepped. For code that runs
     training steps it must undo (fxopt's verification and measurement, under
     ``preserved_state``): a fused step would change the parameters' values, which nothing
