@@ -236,3 +236,27 @@ def test_copy_hooks_copies_every_hook_dict():
     assert target._is_full_backward_hook is True
     target.register_forward_pre_hook(lambda mod, args: None)
     assert not source._forward_pre_hooks
+
+
+def test_set_instance_method_changes_one_graph_module_and_its_copies_only():
+    """The one place fxopt patches a class: torch.fx gives each GraphModule a class of its own,
+    so a special method set there reaches that module (and its deep copies) alone."""
+    import copy
+
+    from fxopt.core.modules import deepcopy_keeping_hooks, set_instance_method
+
+    def refuse(self):
+        raise RuntimeError("not this one")
+
+    one = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    other = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    set_instance_method(one, "__deepcopy__", deepcopy_keeping_hooks)
+    set_instance_method(one, "__reduce__", refuse)
+    with pytest.raises(RuntimeError, match="not this one"):
+        one.__reduce__()
+    copy.deepcopy(other)  # untouched
+    assert "__reduce__" in vars(type(copy.deepcopy(one)))  # carried to copies
+    with pytest.raises(ValueError, match="copies would lose it"):
+        set_instance_method(one, "__call__", refuse)
+    with pytest.raises(RuntimeError, match="not a per-instance GraphModule class"):
+        set_instance_method(torch.nn.Linear(2, 2), "__reduce__", refuse)

@@ -252,13 +252,16 @@ def test_paused_fused_steps_leave_backward_alone_for_fxopts_own_runs():
     model = seeded(SmallNet)
     fused = fuse_optimizer(model, torch.optim.SGD, lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
-    with paused():
-        assert not fused.active
+    other_model = seeded(SmallNet)
+    other = fuse_optimizer(other_model, torch.optim.SGD, lr=0.1)
+    with paused(model.parameters()):
+        assert not fused.active and other.active  # another model's training goes on
         fxopt.measure_train_step(model, image())  # a real backward under preserved_state
         report = verify_fused_training(model, torch.optim.SGD, image(), steps=2, lr=0.1)
         assert report.ok  # its own fused optimizer, made inside the block, did step
     assert fused.active and fused_optimizer_of(model.head.weight) is fused
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    other.remove()
     loss_of(model, image()).backward()  # and outside it the user's steps again
     fused.step()
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

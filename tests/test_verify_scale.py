@@ -235,7 +235,9 @@ def build_lm(arch: str, *, labels: bool, layers: int = 6, hidden: int = 128, seq
 #   qwen3 embed_tokens.weight[24863, 102]: -3.093728 vs -3.094182, 4.5e-4 > 4.1e-4 (and 5 more)
 # Each is about one ulp of its tensor's largest magnitude (4223, 2505, 4708); the tolerance is now
 # 64 of those ulps (3.2e-2, 1.9e-2, 3.6e-2).
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2"])
+# Qwen2 is Llama's graph with other biases: llama stands for both. GPT-2 was bit-identical
+# after checkpointing before the fix too; it stays as the one without rotary attention.
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
 def test_optimize_min_on_causal_lms_raises_no_false_alarm(arch):
     model, kwargs = build_lm(arch, labels=False)
     gm = fxopt.optimize(model, (), example_kwargs=kwargs, memory_budget="min")
@@ -312,7 +314,10 @@ def plant(gm, **_):
 PLANTING = REGISTRY.with_pass(PassSpec("planted", plant, "planted bugs"), before="pad_channels")
 
 
-@pytest.mark.parametrize("arch, labels", [("llama", True), ("gpt2", False)])
+# One model carries the planted bugs: each is a change of the same graph's ops, and each
+# relaxation under test is exercised by the false-alarm models above (the random-cotangent step
+# too: they have no labels); tests/test_verify.py plants bugs in small models of every kind.
+@pytest.mark.parametrize("arch, labels", [("llama", True)])
 def test_a_planted_change_of_function_still_raises(arch, labels):
     model, kwargs = build_lm(arch, labels=labels)
     PLANTED["bug"] = "scale_mlp"

@@ -64,6 +64,7 @@ from fxopt.core.modules import (
     call_hooks,
     copy_hooks,
     deepcopy_keeping_hooks,
+    set_instance_method,
     has_hooks,
     share_tree,
     structural_copy,
@@ -200,7 +201,7 @@ def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
             object.__setattr__(owner, name, value)
     gm.training = shell.training  # submodules keep their own flags (a frozen BN stays in eval)
     copy_hooks(shell, gm)
-    type(gm).__deepcopy__ = deepcopy_keeping_hooks  # the class is this instance's own
+    set_instance_method(gm, "__deepcopy__", deepcopy_keeping_hooks)
     return gm
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from fxopt.core.errors import ExportError, TraceError
-from fxopt.core.modules import code_only_module, deepcopy_keeping_hooks
+from fxopt.core.modules import code_only_module, deepcopy_keeping_hooks, set_instance_method
 from fxopt.core.torch_private import CodeGen, codegen_of, has_plain_codegen
 from fxopt.runtime.eval_forward import EvalForward
 
@@ -112,7 +112,7 @@ def install_eval_graph(gm: fx.GraphModule, eval_graph: fx.Graph) -> None:
     gm.graph.set_codegen(ModeDispatchCodeGen(EvalForward(eval_module)))
     gm.recompile()
     refuse_pickling(gm)
-    type(gm).__deepcopy__ = _deepcopy_with_eval_attributes
+    set_instance_method(gm, "__deepcopy__", _deepcopy_with_eval_attributes)
 
 
 def replace_eval_graph(gm: fx.GraphModule, graph: fx.Graph) -> None:
@@ -142,7 +142,7 @@ def refuse_pickling(gm: fx.GraphModule) -> None:
     raise ``ExportError``: torch.fx pickles the generated code and re-traces it on load, following
     only the train-mode path. ``gm``'s class is its own (torch.fx makes one per instance)."""
     if has_eval_graph(gm):
-        type(gm).__reduce__ = _refuse_reduce
+        set_instance_method(gm, "__reduce__", _refuse_reduce)
 
 
 def _refuse_reduce(self: fx.GraphModule) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import Callable
 
 import torch
 from torch import fx, nn
@@ -120,6 +121,28 @@ def deepcopy_keeping_hooks(module: fx.GraphModule, memo: dict) -> fx.GraphModule
 # What fxopt sets on a GraphModule's own class (``deepcopy_keeping_hooks``, the eval-mode
 # graph's deep copy and pickling refusal in ``fxopt.capture.train_eval``).
 _PER_INSTANCE_CLASS_METHODS = ("__deepcopy__", "__reduce__")
+
+
+def set_instance_method(gm: fx.GraphModule, name: str, function: Callable) -> None:
+    """Give ``gm`` alone the special method ``name``: the one place fxopt patches a class.
+
+    Python looks special methods (``__deepcopy__``, ``__reduce__``) up on the class, never on
+    the instance, and torch.fx gives every GraphModule a class of its own (``GraphModule.__new__``
+    makes a ``GraphModuleImpl`` subclass per instance), so setting it there changes this module
+    alone; ``deepcopy_keeping_hooks`` carries it to copies. Raises ``RuntimeError`` where the
+    class is not the instance's own (a torch that stops making them), rather than patching every
+    GraphModule in the process."""
+    cls = type(gm)
+    if name not in _PER_INSTANCE_CLASS_METHODS:
+        raise ValueError(f"set_instance_method: {name!r} is not one of "
+                         f"{_PER_INSTANCE_CLASS_METHODS} (copies would lose it)")
+    # torch.fx names the class GraphModuleImpl (its __init__ then renames it after the model,
+    # but not its qualified name)
+    if cls is fx.GraphModule or not issubclass(cls, fx.GraphModule) or (
+            "GraphModuleImpl" not in cls.__qualname__):
+        raise RuntimeError(f"{cls.__qualname__} is not a per-instance GraphModule class: "
+                           f"setting {name} on it would change other modules too")
+    setattr(cls, name, function)
 
 
 def structural_copy(model: nn.Module) -> nn.Module:

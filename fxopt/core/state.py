@@ -53,7 +53,7 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
     flags = [(m, m.training) for module in modules for m in module.modules()]
     held = [(m, own_tensors(m)) for module in modules for m in module.modules()]
     try:
-        with preserved_rng(), paused():
+        with preserved_rng(), paused(params):
             yield
     finally:
         for m, tensors in held:

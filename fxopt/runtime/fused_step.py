@@ -74,7 +74,7 @@ so a recomputation never reads an updated parameter through a differentiable pat
 ``fused`` free in backward: the memory estimate and the checkpoint planner take the fused
 optimizer as an argument (``fxopt.optimize(..., fused_optimizer=fused)``), never from the set of
 fused optimizers alive in the process, which only ``fuse_optimizer`` reads (to refuse fusing a
-parameter twice). Inside ``paused()`` the fused optimizers made before it
+parameter twice). Inside ``paused(parameters)`` the fused optimizers of those parameters
 leave backward alone: code that runs training steps it must undo (``preserved_state`` restores
 gradients and buffers, not parameter values an update changed) runs there. The hooks sit on the
 Parameter objects, so fusing fxopt's GraphModule also fuses the user's model that shares them.
@@ -99,21 +99,22 @@ from .errors import InputError
 # on one parameter would step it twice). No estimate or plan reads it: they are given theirs.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 DEFAULT_BUCKET_BYTES = 2**20  # parameters smaller than this are stepped a few at a time
-_PAUSED = [0]  # how many ``paused()`` blocks are open
-
-
 @contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Inside, every ``FusedOptimizer`` made before the block leaves backward alone: gradients
-    accumulate in ``.grad`` as without fusing, nothing is stepped. For code that runs training
-    steps it must undo (fxopt's verification and measurement, under ``preserved_state``): a
-    fused step would change the parameters' values, which nothing restores. A fused optimizer
-    made inside the block works there."""
-    _PAUSED[0] += 1
+def paused(parameters: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Inside, the fused optimizers stepping any of ``parameters`` leave backward alone:
+    gradients accumulate in ``.grad`` as without fusing, nothing is stepped. For code that runs
+    training steps it must undo (fxopt's verification and measurement, under
+    ``preserved_state``): a fused step would change the parameters' values, which nothing
+    restores. Only those optimizers: a fused optimizer training another model (in another
+    thread, say) keeps stepping, and one made inside the block works there."""
+    found = {id(f): f for f in (fused_optimizer_of(p) for p in parameters) if f is not None}
+    for fused in found.values():
+        fused._pauses += 1
     try:
         yield
     finally:
-        _PAUSED[0] -= 1
+        for fused in found.values():
+            fused._pauses -= 1
 
 
 def _step_after_allreduce(state, bucket):
@@ -158,7 +159,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._groups_shape: tuple[int, ...] = ()
         self._handles: list[Any] = []
         self._removed = False
-        self._depth = _PAUSED[0]  # active while no paused() block opened after it is open
+        self._pauses = 0  # open paused() blocks naming this optimizer's parameters
         self._hook_parameters(self.parameters())
         if self.ddp is not None:
             self.ddp.register_comm_hook(self, _step_after_allreduce)
@@ -291,8 +292,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @property
     def active(self) -> bool:
-        """Stepping in backward now: not removed, not inside a ``paused()`` block."""
-        return not self._removed and _PAUSED[0] <= self._depth
+        """Stepping in backward now: not removed, not inside a ``paused()`` block naming its
+        parameters."""
+        return not self._removed and not self._pauses
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         if not self.active:

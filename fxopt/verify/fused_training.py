@@ -158,6 +158,10 @@ def _seed(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def _parameters(*modules: nn.Module) -> list[torch.Tensor]:
+    return [p for module in modules for p in module.parameters()]
+
+
 def _train(module: nn.Module, both: tuple[nn.Module, nn.Module], optimizer: OptimizerSpec,
            kwargs: dict, args: tuple, fused: bool, steps: int, fuse: dict[str, Any],
            scheduler: Callable | None, seed: int, measure_memory: bool,
@@ -168,7 +172,8 @@ def _train(module: nn.Module, both: tuple[nn.Module, nn.Module], optimizer: Opti
     records: list[dict] = []
     peaks: list[tuple[int, int]] = []
     # paused(): a fused optimizer the user already has on these parameters stays out of it
-    with paused(), preserved_state(*both), _parameters_restored(*both), torch.enable_grad():
+    with paused(_parameters(*both)), preserved_state(*both), _parameters_restored(*both), \
+            torch.enable_grad():
         for m in both:
             for p in m.parameters():
                 p.grad = None
