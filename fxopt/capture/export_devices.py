@@ -107,13 +107,15 @@ class _Rewriter:
         self.constants = constants
         self.done = done  # id(body graph) -> the devices it takes as added inputs, in order
         self.readers: dict[tuple[fx.Node, str], fx.Node] = {}
+        self.moved: dict[tuple[fx.Node, fx.Node], fx.Node] = {}  # (constant, reader) -> on_device
         self.count = 0
 
     def run(self) -> int:
+        # in graph order, so that a node made before its first user comes before every later one
         for node in list(self.graph.nodes):
-            if node.op == "get_attr" and node.target in self.constants:
-                self._constant(node)
-            elif node.op in ("call_function", "call_method", "call_module"):
+            if node.op in ("call_function", "call_method", "call_module", "output"):
+                self._constants_read(node)
+            if node.op in ("call_function", "call_method", "call_module"):
                 self._literals(node)
                 if node.op == "call_function" and node.target in _BODY_AT:
                     self._body(node, _BODY_AT[node.target])
@@ -179,28 +181,31 @@ class _Rewriter:
         node.args = fx.node.map_aggregate(node.args, replace)
         node.kwargs = fx.node.map_aggregate(node.kwargs, replace)
 
-    def _constant(self, node: fx.Node) -> None:
-        value = node.meta.get("val", self.owner.get(node.target))
-        device = value.device if isinstance(value, torch.Tensor) else None
-        if device not in self.devices:
-            return
-        moved: dict[str, fx.Node] = {}
-        for user in list(node.users):
-            stack = meta_keys.module_stack(user)
-            path = stack[-1][0] if stack else ""
-            if path not in moved:
-                reader = self._reader(device, user)
-                if reader is None:
-                    continue
+    def _constants_read(self, user: fx.Node) -> None:
+        """Read each lifted constant ``user`` reads on a graph device through ``on_device``."""
+        for node in user.all_input_nodes:
+            if node.op != "get_attr" or node.target not in self.constants:
+                continue
+            value = node.meta.get("val", self.owner.get(node.target))
+            device = value.device if isinstance(value, torch.Tensor) else None
+            if device not in self.devices:
+                continue
+            reader = self._reader(device, user)
+            if reader is None:
+                continue
+            key = (node, reader)
+            moved = self.moved.get(key)
+            if moved is None:
                 with self.graph.inserting_before(user):
-                    moved[path] = self.graph.call_function(on_device, (node, reader))
-                if meta_keys.NN_MODULE_STACK in user.meta:
-                    moved[path].meta[meta_keys.NN_MODULE_STACK] = dict(
-                        user.meta[meta_keys.NN_MODULE_STACK])
+                    moved = self.graph.call_function(on_device, (node, reader))
+                if meta_keys.NN_MODULE_STACK in reader.meta:
+                    moved.meta[meta_keys.NN_MODULE_STACK] = dict(
+                        reader.meta[meta_keys.NN_MODULE_STACK])
                 if "val" in node.meta:
-                    moved[path].meta["val"] = node.meta["val"]
+                    moved.meta["val"] = node.meta["val"]
+                self.moved[key] = moved
                 self.count += 1
-            user.replace_input_with(node, moved[path])
+            user.replace_input_with(node, moved)
 
     def _body(self, node: fx.Node, at: int) -> None:
         body_node = node.args[at] if len(node.args) > at else None
