@@ -215,8 +215,7 @@ class _Rewriter:
         graph = getattr(body, "graph", None)
         if not isinstance(graph, fx.Graph):
             return
-        if id(graph) not in self.done:
-            self.done[id(graph)] = []
+        if id(graph) not in self.done:  # a body two calls share is rewritten once
             self.done[id(graph)] = self._rewrite_body(body, graph)
         readers = [self._reader(device, node) for device in self.done[id(graph)]]
         if readers:  # the body takes these devices as its last inputs
@@ -227,7 +226,7 @@ class _Rewriter:
         placeholders = list(graph.find_nodes(op="placeholder"))
         refs = [_Ref(p, p.meta["val"].device) for p in placeholders
                 if isinstance(p.meta.get("val"), torch.Tensor)]
-        needed = {d for _, d in literal_devices(graph) if d in self.devices}
+        needed = _literals_within(body, graph) & self.devices
         missing = sorted(needed - {r.device for r in refs}, key=str)
         added: dict[torch.device, fx.Node] = {}
         for device in missing:
@@ -245,6 +244,15 @@ class _Rewriter:
         if isinstance(body, fx.GraphModule):
             body.recompile()
         return list(added)
+
+
+def _literals_within(body: Any, graph: fx.Graph) -> set[torch.device]:
+    """The device literals of a body's graph and of the bodies nested in it."""
+    found = {device for _, device in literal_devices(graph)}
+    for child in _attributes_of(body).values():
+        if isinstance(child, fx.GraphModule):
+            found |= _literals_within(child, child.graph)
+    return found
 
 
 def _attributes_of(body: Any) -> dict[str, Any]:

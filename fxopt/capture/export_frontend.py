@@ -43,8 +43,11 @@ and container structure are fixed. The graph starts with a guard node (``guard_i
 the module's ``InputGuard``, with the parameters and buffers the graph reads) that raises
 ``InputError`` before anything is computed when a call does not match what was captured (a
 size the model fixes, a length of 1, two sizes that must agree and do not, ``labels=None`` when
-it was captured with labels, a module converted to another dtype or device after capture),
-instead of computing something else. Arguments after the last one the example gives are not
+it was captured with labels, a module converted to another dtype or device type after
+capture), instead of computing something else. Devices export baked into the graph (factory ops'
+``device=``, ``aten.to``, ``_assert_tensor_metadata``) are read from a parameter, buffer or
+input when the graph runs (``fxopt.capture.export_devices``), so a module moved to another
+device of the same type (``cuda:0`` to ``cuda:1``) computes there. Arguments after the last one the example gives are not
 parameters of the captured module (passing one is Python's ``TypeError``): the model used its
 own default, which a decorator may set differently from what the signature says. An argument
 skipped before a given one stays in its place at its default, and the guard refuses any other
@@ -68,7 +71,7 @@ an expression (``y.shape[0] == 2 * x.shape[0]``: re-exported with that size fixe
 ``ExportInfo.fallbacks``). Not detected: submodules left in another training mode than the
 root on purpose (a frozen BatchNorm): the train graph has every module in train mode and the eval
 graph every module in eval mode, and a submodule's own flag is never read again. Not supported:
-another dtype or device than the capture's, for inputs or for the module's parameters and
+another dtype or device type than the capture's, for inputs or for the module's parameters and
 buffers (the guard refuses it: capture the model after converting it; so ``fxopt.verify``'s
 float64 re-check of rounding differences runs the original alone in float64 and judges the
 captured module's float32 error against the original's own, ``fxopt.verify.rounding``). The graph's
