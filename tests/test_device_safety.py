@@ -50,7 +50,7 @@ from fxopt.capture.export_frontend import capture_with_export
 from fxopt.core.inputs import check_inputs
 from fxopt.core.step import COTANGENT_SEED, _draw_into, cotangents_for
 from fxopt.core.torch_private import FakeTensorMode, tree_leaves
-from fxopt.export import export
+from fxopt.export import export, load_exported
 from fxopt.runtime.devices import tensor_device
 from fxopt.runtime.input_guard import InputGuard
 from models_zoo import registry
@@ -217,6 +217,9 @@ def test_export_with_the_default_device_elsewhere_names_no_device(hf_optimized, 
     source = (tmp_path / "llama" / "model.py").read_text()
     assert "device(type=" not in source
     assert "tensor_device" in source
+    with default_device_elsewhere():  # load() builds on map_location, not the default device
+        loaded = load_exported(tmp_path / "llama").load()
+    assert {t.device.type for t in [*loaded.parameters(), *loaded.buffers()]} == {"cpu"}
 
 
 # -- factory ops follow the module (D3/D4)

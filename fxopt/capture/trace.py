@@ -69,9 +69,9 @@ from fxopt.core.modules import (
     structural_copy,
 )
 from fxopt.runtime.chunked_loss import CHUNKED_LOSS_CALLS
+from fxopt.runtime.devices import on_device, tensor_device
 from fxopt.runtime.input_guard import InputGuard, guard_inputs
 from fxopt.runtime.regions import CheckpointedRegion, call_region
-from fxopt.runtime.devices import on_device, tensor_device
 from fxopt.runtime.scoped import autocast_scope, grad_mode_scope
 
 
