@@ -427,3 +427,48 @@ def test_opaque_leaves_replay_where_the_module_is(replays):
             torch.empty = real_empty
     assert {str(t.device) for t in outputs} == {ELSEWHERE}
     assert set(made) == (set() if replays else {ELSEWHERE})
+
+
+# -- on a GPU (skipped without one): what the CPU lanes above stand in for
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_count() < 1, reason="needs a CUDA device")
+def test_cuda_llama_at_min_optimizes_exports_and_loads_on_the_cpu(tmp_path):
+    """The H200 crash (D1) and D4: optimize an export-captured LM on the GPU at "min", export
+    it, load it on the CPU (no factory op names cuda)."""
+    model, args, kwargs = hf_case("hf_llama_lm")
+    model = model.cuda()
+    kwargs = {k: v.cuda() for k, v in kwargs.items()}
+    gm = fxopt.optimize(model, args, example_kwargs=kwargs, memory_budget="min")
+    assert "causal_attention" in {p.name for p in gm.fxopt_report.passes if p.modified}
+    assert baked_devices(gm, "cuda:0") == []
+    bound = check_inputs(model, args, kwargs)
+    export(gm, tmp_path / "llama", example_inputs=bound)
+    loaded = load_exported(tmp_path / "llama").load(map_location="cpu")
+    cpu_args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in bound)
+    with torch.no_grad():
+        loaded.eval()(*cpu_args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_count() < 2, reason="needs two CUDA devices")
+def test_cuda_a_module_moved_to_another_gpu_trains_there():
+    """D3: captured on cuda:0, deep-copied and moved to cuda:1 (as per-rank copies are), the
+    optimized module runs a training step on cuda:1, with the same loss as on cuda:0."""
+    import copy
+
+    model, args, kwargs = hf_case("hf_llama_lm")
+    model = model.to("cuda:0")
+    kwargs = {k: v.to("cuda:0") for k, v in kwargs.items()}
+    gm = fxopt.optimize(model, args, example_kwargs=kwargs, memory_budget="min")
+    moved = copy.deepcopy(gm).to("cuda:1")
+    out0 = gm(**kwargs)
+    out1 = moved(**{k: v.to("cuda:1") for k, v in kwargs.items()})
+    out1.loss.backward()
+    assert out1.loss.device == torch.device("cuda:1")
+    torch.testing.assert_close(out1.loss.cpu(), out0.loss.detach().cpu())
