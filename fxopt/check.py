@@ -128,18 +128,21 @@ def _num(value: float | None) -> str:
 def random_inputs_like(example_inputs: Any, *, seed: int, batch_size: int | None = None) -> tuple:
     """Random tensors shaped like the tensors in ``example_inputs`` (nested ones too), with the
     batch dimension (dim 0) set to ``batch_size``; other values are kept."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    cpu = torch.device("cpu")  # drawn there whatever the default device, then moved: the same
+    # numbers on every device
 
     def make(t: torch.Tensor) -> torch.Tensor:
         shape = list(t.shape)
         if batch_size is not None and shape:
             shape[0] = batch_size
         if t.is_floating_point() or t.is_complex():
-            return torch.randn(shape, generator=gen, dtype=t.dtype).to(t.device)
+            return torch.randn(shape, generator=gen, dtype=t.dtype, device=cpu).to(t.device)
         if t.dtype == torch.bool:
-            return torch.randint(0, 2, shape, generator=gen).bool().to(t.device)
+            return torch.randint(0, 2, shape, generator=gen, device=cpu).bool().to(t.device)
         low, high = (int(t.min()), int(t.max()) + 1) if t.numel() else (0, 2)
-        return torch.randint(low, high, shape, generator=gen, dtype=t.dtype).to(t.device)
+        return torch.randint(low, high, shape, generator=gen, dtype=t.dtype,
+                             device=cpu).to(t.device)
 
     return tree_map_only(torch.Tensor, make, as_args(example_inputs))
 

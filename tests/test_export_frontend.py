@@ -429,11 +429,14 @@ def test_checkpoint_and_inplace_passes_on_the_captured_graph():
 
 class FixedLengthGPT(GPT):
     """The whole position table is added: the model fixes the length, so the graph builds its
-    causal mask from constant sizes."""
+    causal mask from constant sizes; in eval mode it scales by a tensor it makes from a literal,
+    which torch.export lifts out as a constant only the eval graph reads."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
         h = self.drop(self.tok(idx) + self.pos.weight)
+        if not self.training:
+            h = h * torch.tensor([1.0, 1.0, 1.0, 1.0] * (h.shape[-1] // 4), device=idx.device)
         mask = torch.tril(torch.ones(T, T, device=idx.device)).bool()
         for block in self.blocks:
             h = block(h, mask)
@@ -441,9 +444,11 @@ class FixedLengthGPT(GPT):
 
 
 def test_rebuilt_modules_keep_the_constants_only_the_eval_graph_reads():
-    """Re-tracing an exported module with torch.fx turns the eval graph's arange/tril of
-    constant sizes into tensor constants of their own; a module rebuilt from the train graph
-    (checkpoint's candidates, reorder's schedules) must carry them, or eval mode fails."""
+    """A module rebuilt from the train graph (checkpoint's candidates, reorder's schedules) must
+    carry the tensor constants only the eval graph reads, or eval mode fails. (Re-tracing with
+    torch.fx once turned the eval graph's arange/tril of constant sizes into constants of their
+    own; since their device follows a parameter (fxopt.capture.export_devices), they stay ops,
+    so the eval graph's constant here is one torch.export lifted from an eval-only branch.)"""
     from fxopt.capture.trace import graph_module_like
     from fxopt.capture.train_eval import eval_graph
     from fxopt.core.torch_private import copy_codegen

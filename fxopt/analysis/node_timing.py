@@ -3,8 +3,9 @@
 ``forward_seconds(gm)`` runs ``gm``'s forward for real, ``runs`` times, on random inputs shaped
 like the example inputs (the placeholders' ``meta["val"]``: floating inputs standard normal,
 integer and bool inputs zero), in train mode under ``torch.no_grad``, timing every call node
-(synchronising the device around it on CUDA), and keeps each node's fastest run. Parameters,
-buffers (BatchNorm statistics), gradients, module flags and the RNG are restored afterwards.
+(synchronising the graph's own device around it on CUDA), and keeps each node's fastest run.
+Parameters, buffers (BatchNorm statistics), gradients, module flags and the RNG are restored
+afterwards. The random inputs are made on the devices of the placeholders' values.
 
 It returns ``{}`` when the graph cannot run that way -- a model on the meta device, a leaf whose
 forward needs meaningful integer inputs -- and the caller falls back to the roofline estimate
@@ -39,17 +40,20 @@ class _TimedInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, seconds: dict[fx.Node, float]):
         super().__init__(gm)
         self.seconds = seconds
-        self.cuda = graph_device(gm).type == "cuda"
+        device = graph_device(gm)
+        # the graph's own device: a bare synchronize() waits for the *current* device only, so
+        # a graph on cuda:1 would be timed by its launches
+        self.cuda = device if device.type == "cuda" else None
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in _CALLS:
             return super().run_node(n)
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
         start = time.perf_counter()
         result = super().run_node(n)
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
         elapsed = time.perf_counter() - start
         self.seconds[n] = min(self.seconds.get(n, elapsed), elapsed)
         return result

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import fx
 
 
-def ancestors(node: fx.Node) -> set[fx.Node]:
-    """``node`` and every node it reads, directly or through others."""
+def ancestors(node: fx.Node, stop: Callable[[fx.Node], bool] | None = None) -> set[fx.Node]:
+    """``node`` and every node it reads, directly or through others; a node ``stop`` is true
+    for is included, what it reads is not (unless read another way)."""
     seen: set[fx.Node] = set()
     stack = [node]
     while stack:
         current = stack.pop()
         if current not in seen:
             seen.add(current)
-            stack.extend(current.all_input_nodes)
+            if stop is None or not stop(current):
+                stack.extend(current.all_input_nodes)
     return seen

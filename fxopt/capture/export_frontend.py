@@ -43,8 +43,11 @@ and container structure are fixed. The graph starts with a guard node (``guard_i
 the module's ``InputGuard``, with the parameters and buffers the graph reads) that raises
 ``InputError`` before anything is computed when a call does not match what was captured (a
 size the model fixes, a length of 1, two sizes that must agree and do not, ``labels=None`` when
-it was captured with labels, a module converted to another dtype or device after capture),
-instead of computing something else. Arguments after the last one the example gives are not
+it was captured with labels, a module converted to another dtype or device type after
+capture), instead of computing something else. Devices export baked into the graph (factory ops'
+``device=``, ``aten.to``, ``_assert_tensor_metadata``) are read from a parameter, buffer or
+input when the graph runs (``fxopt.capture.export_devices``), so a module moved to another
+device of the same type (``cuda:0`` to ``cuda:1``) computes there. Arguments after the last one the example gives are not
 parameters of the captured module (passing one is Python's ``TypeError``): the model used its
 own default, which a decorator may set differently from what the signature says. An argument
 skipped before a given one stays in its place at its default, and the guard refuses any other
@@ -68,7 +71,7 @@ an expression (``y.shape[0] == 2 * x.shape[0]``: re-exported with that size fixe
 ``ExportInfo.fallbacks``). Not detected: submodules left in another training mode than the
 root on purpose (a frozen BatchNorm): the train graph has every module in train mode and the eval
 graph every module in eval mode, and a submodule's own flag is never read again. Not supported:
-another dtype or device than the capture's, for inputs or for the module's parameters and
+another dtype or device type than the capture's, for inputs or for the module's parameters and
 buffers (the guard refuses it: capture the model after converting it; so ``fxopt.verify``'s
 float64 re-check of rounding differences runs the original alone in float64 and judges the
 captured module's float32 error against the original's own, ``fxopt.verify.rounding``). The graph's
@@ -111,6 +114,7 @@ from fxopt.capture.export_signature import (
     bind_example,
     signature_placeholders,
 )
+from fxopt.capture.export_devices import follow_devices
 from fxopt.capture.export_leaves import exported_keeping_leaves
 from fxopt.capture.fake_run import module_state, training_flags
 from fxopt.capture.leaf_runs import record_leaf_runs
@@ -132,7 +136,8 @@ from fxopt.runtime.input_guard import InputGuard, TensorSpec, guard_inputs
 
 _ATTRIBUTE_PREFIX = "_fxopt_export_"
 _INNER = "inner"  # the model's attribute name inside the exported wrapper
-_GUARD = "_fxopt_input_guard"  # the captured module's attribute holding its InputGuard
+_GUARD = "_fxopt_input_guard"
+_CONSTANT = f"{_ATTRIBUTE_PREFIX}constant_"  # a tensor constant export lifted out of forward  # the captured module's attribute holding its InputGuard
 
 
 @dataclass(frozen=True)
@@ -302,11 +307,14 @@ def _trace_error(model: nn.Module, error: BaseException, mode: str) -> TraceErro
 
 
 def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: str,
-            attributes: dict[str, Any], shell: nn.Module, constraints: Constraints) -> fx.Graph:
+            attributes: dict[str, Any], shell: nn.Module, constraints: Constraints,
+            devices: tuple[torch.device, ...]) -> fx.Graph:
     """The exported graph with forward's arguments as placeholders, the user's parameters and
     buffers as ``get_attr`` nodes, buffer mutations written back, and the output rebuilt. The
     guard node comes first after the ``get_attr`` nodes of the parameters and buffers, which it
-    checks with the arguments (``InputGuard``)."""
+    checks with the arguments (``InputGuard``). The devices export baked in follow the
+    parameters, buffers and inputs (``devices``: the example tensors') at call time
+    (``fxopt.capture.export_devices``)."""
     program = exported.program
     graph = fx.Graph()
     nodes = [graph.placeholder(p.name, default_value=p.default) for p in placeholders]
@@ -364,6 +372,9 @@ def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: st
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
             _strip_wrapper(env[node])
+    follow_devices(graph, attributes, state=read,
+                   inputs=[(leaves[i], device) for i, device in enumerate(devices) if i in leaves],
+                   constants=frozenset(n for n in attributes if n.startswith(_CONSTANT)))
     graph.lint()
     return graph
 
@@ -382,7 +393,7 @@ def _attribute(spec: Any, program: Any, attributes: dict[str, Any], shell: nn.Mo
     for name, existing in attributes.items():
         if existing is value:
             return name
-    name = f"{_ATTRIBUTE_PREFIX}constant_{len(attributes)}"
+    name = f"{_CONSTANT}{len(attributes)}"
     attributes[name] = value
     return name
 
@@ -473,7 +484,8 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
             find_more=opaque_on_failure)
         placeholders = signature_placeholders(name, signature, given)
         attributes: dict[str, Any] = {}
-        graphs = [_unlift(e, placeholders, name, attributes, shell, c)
+        devices = tuple(t.device for t in example)
+        graphs = [_unlift(e, placeholders, name, attributes, shell, c, devices)
                   for e, c in zip(exports, constraints)]
         for graph in graphs if opaque is not None else ():
             opaque.restore_calls(graph)

@@ -37,7 +37,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.capture.leaf_tape import LeafCall, TensorSpec, forwards_patched, recorded_call
+from fxopt.capture.leaf_tape import (
+    LeafCall,
+    TensorSpec,
+    forwards_patched,
+    moved_device,
+    recorded_call,
+)
 from fxopt.core.errors import TraceError
 from fxopt.core.torch_private import tree_flatten, tree_flatten_with_path, tree_unflatten
 
@@ -75,8 +81,11 @@ def _opaque_leaf_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor
     for real, fake in zip(real_sizes, (s for t in inputs for s in t.shape)):
         if real not in (0, 1):  # a 0 or 1 that happens to match ties nothing
             sizes.setdefault(real, fake)
-    device = inputs[0].device if inputs else torch.device("cpu")
-    return [torch.empty([sizes.get(n, n) for n in spec.shape], dtype=spec.dtype, device=device)
+    # each output on its recorded device (a leaf with no tensor input, a position-id builder,
+    # makes its outputs where the model is), or where the leaf is if it moved since
+    moved = call.moves(leaf.module, inputs, None)
+    return [torch.empty([sizes.get(n, n) for n in spec.shape], dtype=spec.dtype,
+                        device=moved_device(spec.device, moved))
             for spec in _tensor_specs(call.outputs)]
 
 

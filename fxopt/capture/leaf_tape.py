@@ -26,6 +26,14 @@ Function that allocates its recorded outputs, the peak and the saved bytes measu
 the real run (``LeafRecord.memory``, from ``fxopt.analysis.leaf_runs``) and its inputs' and
 parameters' gradients.
 
+Devices: a record keeps the device each tensor was on and the device the call ran on (its
+inputs', parameters' and buffers': ``home_device``). A replay or stand-in makes what was on
+that device where the leaf and its inputs are at the call (a module moved from ``cuda:0`` to
+``cuda:1`` replays on ``cuda:1``, fakes of another device on that device), and what was on
+another device (a CPU scalar in a CUDA leaf) where it was. A stand-in's peak and saved bytes go
+on its first recorded output's device, so a leaf fed integer ids only, or called without grad,
+counts them on the model's device.
+
 Not handled: inputs of other shapes than the example inputs' (a larger batch): the leaf was not
 run for them, and a fake run raises ``InputError`` saying so. Answers that depend on random
 draws made before the leaf (a dropout ahead of a router) are those of the one recorded run.
@@ -46,7 +54,7 @@ from torch import fx, nn
 from fxopt.capture.train_eval import eval_graph
 from fxopt.core import meta_keys
 from fxopt.core.errors import InputError
-from fxopt.core.tensors import tensors_in
+from fxopt.core.tensors import device_of, tensors_in
 from fxopt.core.torch_private import (
     TorchDispatchMode,
     tree_flatten,
@@ -56,6 +64,7 @@ from fxopt.core.torch_private import (
 from fxopt.runtime.regions import CheckpointedRegion
 
 META_KEY = meta_keys.LEAF
+Moves = dict  # a recorded device (str) -> the device it stands for now (``moves``)
 
 
 @dataclass(frozen=True)
@@ -69,17 +78,35 @@ class TensorSpec:
     dtype: torch.dtype
     device: str
 
-    def build(self) -> torch.Tensor:
-        """A new tensor laid out like the recorded one (a fake one inside a FakeTensorMode)."""
+    def build(self, moved: Moves | None = None) -> torch.Tensor:
+        """A new tensor laid out like the recorded one (a fake one inside a FakeTensorMode), on
+        the recorded device, or where ``moved`` says that device went (``moves``)."""
+        device = moved_device(self.device, moved)
         itemsize = self.dtype.itemsize
         span = 0 if 0 in self.shape else 1 + sum((n - 1) * s
                                                  for n, s in zip(self.shape, self.stride))
         if self.offset == 0 and span * itemsize == self.storage_bytes:
-            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
-                                       device=self.device)
-        base = torch.empty(-(-self.storage_bytes // itemsize), dtype=self.dtype,
-                           device=self.device)
+            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        base = torch.empty(-(-self.storage_bytes // itemsize), dtype=self.dtype, device=device)
         return base.as_strided(self.shape, self.stride, self.offset)
+
+
+
+def home_device(module: nn.Module, args: Any = (), kwargs: Any = None) -> torch.device:
+    """The device a leaf call runs on: ``device_of`` its inputs, parameters and buffers (the
+    first CUDA device among them, else the first tensor's)."""
+    return device_of((tensors_in((args, kwargs)), list(module.parameters()),
+                      list(module.buffers())))
+
+
+def moves(home: str | None, now: torch.device) -> Moves:
+    """How recorded devices map to devices now: the device a call ran on when it was recorded
+    (``home``) is ``now``; every other recorded device (a CPU scalar in a CUDA leaf) stays."""
+    return {} if home is None or torch.device(home) == now else {home: now}
+
+
+def moved_device(recorded: str, moved: Moves | None) -> Any:
+    return (moved or {}).get(recorded, recorded)
 
 
 def spec_of(value: Any) -> Any:
@@ -94,9 +121,10 @@ def spec_of(value: Any) -> Any:
     return tree_map(one, value)
 
 
-def built(spec: Any) -> Any:
-    """The value a spec describes, each TensorSpec built as a new tensor."""
-    return tree_map(lambda s: s.build() if isinstance(s, TensorSpec) else s, spec)
+def built(spec: Any, moved: Moves | None = None) -> Any:
+    """The value a spec describes, each TensorSpec built as a new tensor (on the device
+    ``moved`` gives for its recorded one)."""
+    return tree_map(lambda s: s.build(moved) if isinstance(s, TensorSpec) else s, spec)
 
 
 def call_key(module: nn.Module, args: Any, kwargs: Any) -> tuple:
@@ -108,12 +136,19 @@ def call_key(module: nn.Module, args: Any, kwargs: Any) -> tuple:
 @dataclass
 class LeafCall:
     """One call of a leaf on the real run: its key, every op's outputs (by op, in call order),
-    its outputs, and which of its tensor inputs it wrote in place (positions among them)."""
+    its outputs, which of its tensor inputs it wrote in place (positions among them), and the
+    device it ran on (``home_device``; None in records made before it was kept)."""
 
     key: tuple
     answers: dict[str, list[Any]]
     outputs: Any
     writes_inputs: tuple[int, ...] = ()
+    home: str | None = None
+
+    def moves(self, module: nn.Module, args: Any, kwargs: Any) -> Moves:
+        """Where this call's recorded devices are for a call of ``module`` on these inputs:
+        the recorded home device is where the inputs and the module are now."""
+        return moves(self.home, home_device(module, args, kwargs))
 
 
 @dataclass
@@ -174,9 +209,10 @@ class _Replay(TorchDispatchMode):
     """Runs each op as is; one whose (fake) kernel fails gets the recorded output of the same
     call of that op from the same model line."""
 
-    def __init__(self, call: LeafCall) -> None:
+    def __init__(self, call: LeafCall, moved: Moves | None = None) -> None:
         super().__init__()
         self.call = call
+        self.moved = moved
         self.seen: dict[str, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -189,7 +225,7 @@ class _Replay(TorchDispatchMode):
             recorded = self.call.answers.get(name, [])
             if index >= len(recorded):
                 raise
-            return built(recorded[index])
+            return built(recorded[index], self.moved)
 
 
 def recorded_call(module: nn.Module, original: Any, args: Any, kwargs: Any) -> tuple[Any, LeafCall]:
@@ -197,42 +233,51 @@ def recorded_call(module: nn.Module, original: Any, args: Any, kwargs: Any) -> t
     inputs = tensors_in((args, kwargs))
     versions = [t._version for t in inputs]
     key = call_key(module, args, kwargs)
+    home = str(home_device(module, args, kwargs))
     with Recorder() as recorder:
         out = original(*args, **kwargs)
     written = tuple(i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v)
-    return out, LeafCall(key, recorder.answers, spec_of(out), written)
+    return out, LeafCall(key, recorder.answers, spec_of(out), written, home)
 
 
 class _StandIn(torch.autograd.Function):
-    """Allocates a leaf's recorded outputs, and the peak and saved bytes measured inside it;
-    in backward, its inputs' and parameters' gradients."""
+    """Allocates a leaf's recorded outputs, and the peak and saved bytes measured inside it (on
+    the device of its first recorded output, where the leaf's memory was: the module's device
+    even for a leaf fed integer ids only, or called without grad); in backward, its inputs'
+    and parameters' gradients."""
 
     @staticmethod
-    def forward(ctx: Any, outputs: Any, peak: int, saved: int, *inputs: torch.Tensor) -> tuple:
+    def forward(ctx: Any, outputs: Any, peak: int, saved: int, device: Any, moved: Moves,
+                *inputs: torch.Tensor) -> tuple:
         ctx.specs = [(t.shape, t.dtype, t.device) for t in inputs]
-        device = inputs[0].device if inputs else "cpu"
         if peak:
             torch.empty(peak, dtype=torch.uint8, device=device)  # dropped at once
         if saved:  # what the leaf saves for backward, seen by saved-tensor hooks too
             ctx.save_for_backward(torch.empty(saved, dtype=torch.uint8, device=device))
-        return tuple(spec.build() for spec in outputs)
+        return tuple(spec.build(moved) for spec in outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        return (None, None, None, *(torch.zeros(shape, dtype=dtype, device=device)
-                                    for shape, dtype, device in ctx.specs))
+        return (None, None, None, None, None, *(torch.zeros(shape, dtype=dtype, device=device)
+                                                for shape, dtype, device in ctx.specs))
 
 
-def _stand_in(module: nn.Module, outputs_spec: Any, peak: int, saved: int) -> Any:
-    """A forward that returns outputs like ``outputs_spec`` through ``_StandIn``."""
+def _stand_in(module: nn.Module, outputs_spec: Any, peak: int, saved: int,
+              home: str | None) -> Any:
+    """A forward that returns outputs like ``outputs_spec`` through ``_StandIn``, the specs'
+    devices followed from ``home`` (the device the leaf ran on when they were recorded) to
+    where the module and its inputs are at the call."""
     leaves, spec = tree_flatten(outputs_spec)
     tensors = [leaf for leaf in leaves if isinstance(leaf, TensorSpec)]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        now = home_device(module, args, kwargs)
+        moved = moves(home, now)
+        device = moved_device(tensors[0].device, moved) if tensors else now
         inputs = tensors_in((args, kwargs)) + [p for p in module.parameters() if p.requires_grad]
         differentiable = [t for t in inputs if t.requires_grad]
         extra = max(peak - sum(s.storage_bytes for s in tensors) - saved, 0)
-        outs = iter(_StandIn.apply(tensors, extra, saved, *differentiable))
+        outs = iter(_StandIn.apply(tensors, extra, saved, device, moved, *differentiable))
         return tree_unflatten([next(outs) if isinstance(leaf, TensorSpec) else leaf
                                for leaf in leaves], spec)
 
@@ -303,8 +348,8 @@ def _replaying(module: nn.Module, record: LeafRecord, original: Any) -> Any:
             memory = record.memory
             peak = getattr(memory, "peak_bytes", 0) or 0
             saved = getattr(memory, "saved_bytes", 0) or 0
-            return _stand_in(module, call.outputs, peak, saved)(*args, **kwargs)
-        with _Replay(call):
+            return _stand_in(module, call.outputs, peak, saved, call.home)(*args, **kwargs)
+        with _Replay(call, call.moves(module, args, kwargs)):
             return original(*args, **kwargs)
 
     return forward
@@ -344,7 +389,8 @@ def unrecorded_leaves_stood_in(module: nn.Module) -> Iterator[list[str]]:
     real run was not possible) gets outputs like its ``meta["val"]`` and gradients for its
     inputs and parameters; nothing inside it is counted. Yields their paths."""
     found = [(leaf, node) for leaf, node in opaque_leaves(module) if META_KEY not in node.meta]
-    with forwards_patched([(leaf, _stand_in(leaf, spec_of(node.meta["val"]), 0, 0))
+    with forwards_patched([(leaf, _stand_in(leaf, spec_of(node.meta["val"]), 0, 0,
+                                            str(_captured_home(node))))
                            for leaf, node in found]):
         yield [node.target for _, node in found]
 
@@ -368,7 +414,12 @@ def recorded_outputs(node: fx.Node, leaf: nn.Module, args: Any, kwargs: Any) -> 
     if not calls:
         return None
     record.replays = False
-    return built(calls[0].outputs)
+    return built(calls[0].outputs, calls[0].moves(leaf, args, kwargs))
+
+
+def _captured_home(node: fx.Node) -> torch.device:
+    """The device a leaf's node ran on at capture, from its inputs' and outputs' values."""
+    return device_of(([a.meta.get("val") for a in node.all_input_nodes], node.meta.get("val")))
 
 
 def nodes_calling(module: nn.Module, leaf: nn.Module) -> list[fx.Node]:

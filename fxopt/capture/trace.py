@@ -70,6 +70,7 @@ from fxopt.core.modules import (
     structural_copy,
 )
 from fxopt.runtime.chunked_loss import CHUNKED_LOSS_CALLS
+from fxopt.runtime.devices import on_device, tensor_device
 from fxopt.runtime.input_guard import InputGuard, guard_inputs
 from fxopt.runtime.regions import CheckpointedRegion, call_region
 from fxopt.runtime.scoped import autocast_scope, grad_mode_scope
@@ -116,7 +117,8 @@ class _FallbackTracer(fx.Tracer):
         # a grad-mode or autocast scope: recorded as those calls, not traced through (which
         # would drop the checkpointing, the loss's own backward or the scope).
         super().__init__(autowrap_functions=(call_region, guard_inputs, grad_mode_scope,
-                                             autocast_scope, *CHUNKED_LOSS_CALLS))
+                                             autocast_scope, tensor_device, on_device,
+                                             *CHUNKED_LOSS_CALLS))
         self.forced_leaves = forced_leaves
         self.hooked: dict[str, nn.Module] = {}  # path -> module made a leaf for its hooks
         self.record_stack_traces = True

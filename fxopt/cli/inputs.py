@@ -128,18 +128,20 @@ def _parse_range(text: str, dtype: str, where: str) -> tuple[float, float]:
 def draw(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator,
          value_range: tuple[float, float] | None = None,
          int_range: tuple[int, int] | None = None) -> torch.Tensor:
-    """A tensor drawn from ``gen``: floats standard normal or uniform in ``value_range``,
+    """A CPU tensor drawn from ``gen`` (a CPU generator; the CPU whatever the default device is,
+    so the same numbers everywhere): floats standard normal or uniform in ``value_range``,
     integers uniform in ``value_range`` else ``int_range`` else ``DEFAULT_INT_RANGE``, bools 0/1."""
+    cpu = torch.device("cpu")
     if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
+        return torch.randint(0, 2, shape, generator=gen, device=cpu).bool()
     if dtype.is_floating_point:
         if value_range is None:
-            return torch.randn(shape, generator=gen).to(dtype)
+            return torch.randn(shape, generator=gen, device=cpu).to(dtype)
         low, high = value_range
-        unit = torch.rand(shape, generator=gen, dtype=torch.float64)
+        unit = torch.rand(shape, generator=gen, dtype=torch.float64, device=cpu)
         return (unit * (high - low) + low).to(dtype)
     low, high = value_range or int_range or DEFAULT_INT_RANGE
-    return torch.randint(int(low), int(high), shape, generator=gen, dtype=dtype)
+    return torch.randint(int(low), int(high), shape, generator=gen, dtype=dtype, device=cpu)
 
 
 def make_inputs(specs: list[InputSpec], *, default_dtype: str = "float32",

@@ -50,13 +50,49 @@ def differentiable_outputs(output: Any) -> list[torch.Tensor]:
     return [t for t in leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+# Elements of a cotangent drawn on the host at a time for an output on another device: the
+# host holds at most this many float32 values (64 MiB), not a copy of the whole output.
+COTANGENT_CHUNK = 1 << 24
+
+
 def cotangents_for(outputs: list[torch.Tensor], seed: int = COTANGENT_SEED) -> list[torch.Tensor]:
-    """Deterministic cotangents with the shape, dtype and device of each output."""
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(o.shape, generator=gen, dtype=torch.float32).to(device=o.device, dtype=o.dtype)
-        for o in outputs
-    ]
+    """Deterministic cotangents with the shape, dtype and device of each output.
+
+    The values are the same on every device: standard-normal float32 numbers drawn, in output
+    order, from a CPU generator seeded with ``seed``, then cast to the output's dtype. (A device
+    generator would draw other numbers on CUDA than on the CPU.) For an output on another device
+    than the CPU they are drawn in chunks of ``COTANGENT_CHUNK`` elements and copied into a
+    tensor made on the output's device, so the host never holds a float32 copy of a large
+    output (a ``2 x 2048 x 128256`` logits tensor would be 2 GiB); chunked draws give exactly the
+    numbers of one draw (``_draw_into``)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return [_cotangent(o, gen) for o in outputs]
+
+
+def _cotangent(o: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    if o.device.type == "cpu":
+        return torch.randn(o.shape, generator=gen, dtype=torch.float32,
+                           device="cpu").to(dtype=o.dtype)
+    out = torch.empty(o.shape, dtype=o.dtype, device=o.device)
+    _draw_into(out.view(-1), gen, COTANGENT_CHUNK)
+    return out
+
+
+def _draw_into(flat: torch.Tensor, gen: torch.Generator, chunk: int) -> None:
+    """Fill the 1-d ``flat`` with ``torch.randn(flat.numel(), generator=gen)``'s numbers, drawn
+    on the CPU ``chunk`` elements at a time (``chunk`` a multiple of 16). Exact because the CPU
+    normal kernel draws its uniforms in order and turns them into normals 16 at a time, re-drawing
+    the last 16 of a length that is no multiple of 16 (or taking another path below 16): so every
+    chunk but the last is a multiple of 16 long and the last is at least 16 long (or the whole
+    tensor), the numbers and the generator's final state are those of one draw
+    (``tests/test_device_safety.py`` checks it against one draw)."""
+    n = flat.numel()
+    start = 0
+    while start < n:
+        size = n - start if n - start < chunk + 16 else chunk
+        flat[start:start + size].copy_(
+            torch.randn(size, generator=gen, dtype=torch.float32, device="cpu"))
+        start += size
 
 
 def _named_loss(output: Any) -> Any:

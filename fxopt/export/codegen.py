@@ -353,8 +353,10 @@ def generate(gm: fx.GraphModule, class_name: str) -> Generated:
         f'    """{class_name} as optimized by fxopt; weights: load() or load_state_dict()."""\n',
         *init, "", forward, "", "",
         "def load(map_location='cpu'):",
-        f'    """A {class_name} with the exported weights (state_dict.pt)."""',
-        f"    model = {class_name}()",
+        f'    """A {class_name} with the exported weights (state_dict.pt), built on '
+        'map_location\n    (whatever the default device is)."""',
+        "    with torch.device(map_location):",
+        f"        model = {class_name}()",
         "    state = torch.load(_HERE / 'state_dict.pt', map_location=map_location, "
         "weights_only=True)",
         "    model.load_state_dict(state)",

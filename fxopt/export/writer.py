@@ -230,7 +230,8 @@ def _verify_reloaded(gm: fx.GraphModule, folder: Path, inputs: tuple, name: str,
                      where: str) -> VerifyReport:
     """Import the folder back and prove it computes what ``gm`` computes."""
     try:
-        exported: nn.Module = load_exported(folder).load()
+        # built on the optimized module's device, whatever the default device is
+        exported: nn.Module = load_exported(folder).load(map_location=module_device(gm))
     except Exception as error:  # generated code that does not import is a bug: say which
         raise ExportBug(f"cannot export {name}: the generated module does not load: "
                         f"{type(error).__name__}: {error}", where=where,

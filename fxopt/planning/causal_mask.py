@@ -26,6 +26,7 @@ from torch import fx
 
 from fxopt.analysis.randomness import draws_random_numbers
 from fxopt.analysis.reach import ancestors
+from fxopt.runtime.devices import tensor_device
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SYM_SIZE = torch.ops.aten.sym_size.int
@@ -63,7 +64,8 @@ def _lengths_differ(node: fx.Node) -> str | None:
 
 
 def _why_not_causal(gm: fx.GraphModule, mask: fx.Node, user: fx.Node) -> str | None:
-    nodes = ancestors(mask)
+    # a device read (fxopt.runtime.devices) reads no values: the CPU stands for it below
+    nodes = ancestors(mask, stop=lambda n: n.target is tensor_device)
     for node in nodes:
         if node.op == "placeholder":
             if any(u.target is not _SYM_SIZE for u in node.users if u in nodes):
@@ -108,6 +110,8 @@ def _evaluate(gm: fx.GraphModule, nodes: set[fx.Node], mask: fx.Node, batch: int
             if node.op == "get_attr":
                 value = getattr(gm, node.target)
                 env[node] = value.to(_CPU) if isinstance(value, torch.Tensor) else value
+            elif node.target is tensor_device:
+                env[node] = _CPU
             elif node.target is _SYM_SIZE:
                 source, dim = node.args
                 env[node] = batch if dim == 0 else int(source.meta["val"].shape[dim])

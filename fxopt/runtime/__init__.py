@@ -7,6 +7,8 @@
 - ``eval_forward``: the eval-mode graph a module with a graph per training mode dispatches to.
 - ``input_guard``: the first node of a graph captured by torch.export, which refuses inputs
   outside what export captured (a size it specialised, another dtype or structure).
+- ``devices``: where an export-captured graph's factory ops make their tensors, read from a
+  parameter or input when it runs (``tensor_device``), and lifted constants moved there.
 - ``fused_step`` and ``fuse``: the optimizer step fused into backward (``FusedOptimizer``, and
   ``fuse_optimizer``, its public factory), which the user's training loop runs.
 - ``errors``: every error fxopt raises (``fxopt.core.errors`` re-exports them), so the code

@@ -8,8 +8,11 @@ captured and raises before the graph computes anything:
 - the parameters and buffers the graph reads (``state``, passed by the graph itself, so they are
   looked up through the module at call time): their dtypes and device types, which torch.export
   builds into the graph (a ``.to(torch.float32)`` in forward is recorded as a cast to float32,
-  and ``_assert_tensor_metadata`` nodes check dtypes), so a module converted after capture
-  (``.half()``, ``.to(torch.bfloat16)``, ``.double()``, ``.to("cuda")``) is refused;
+  ``_assert_tensor_metadata`` nodes check dtypes, an autocast scope names its device type), so
+  a module converted after capture (``.half()``, ``.to(torch.bfloat16)``, ``.double()``,
+  ``.to("cuda")`` of a CPU capture) is refused. The device *index* is not checked: the devices
+  export recorded follow the parameters when the graph runs (``fxopt.runtime.devices``), so a
+  module moved from ``cuda:0`` to ``cuda:1`` computes on ``cuda:1``;
 - the arguments: containers and their keys, plain values built into the graph, tensor dtypes,
   device types, ranks, fixed sizes, and the ranges and equalities of the sizes left dynamic;
 - ``checks``: the conditions on sizes torch.export recorded while tracing (its guards: a branch on

@@ -159,10 +159,22 @@ def _largest_magnitude(values: list[Any]) -> float:
     for t in values:
         if (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
                 and t.numel() and t.device.type != "meta"):
-            magnitudes = t.detach().abs().to(torch.float64)
-            largest = max(largest, float(torch.where(torch.isfinite(magnitudes), magnitudes,
-                                                     0.0).max()))
+            for piece in _pieces(t.detach().reshape(-1)):
+                magnitudes = piece.abs().to(torch.float64)
+                largest = max(largest, float(torch.where(torch.isfinite(magnitudes), magnitudes,
+                                                         0.0).max()))
     return largest
+
+
+# Elements compared at a time: the float64 temporaries of a comparison (both sides, the
+# differences, magnitudes and masks: about 40 bytes an element) are those of one piece, not of
+# the whole tensor (a 2 x 2048 x 128256 logits tensor would take 20 GB of device memory).
+PIECE = 1 << 22
+
+
+def _pieces(flat: torch.Tensor) -> list[torch.Tensor]:
+    """``flat`` (1-d) in views of at most ``PIECE`` elements, in order."""
+    return [flat[start:start + PIECE] for start in range(0, flat.numel(), PIECE)]
 
 
 def _compare_value(kind: str, name: str, ref: Any, cand: Any, tols: dict,
@@ -209,49 +221,90 @@ def _compare_tensors(kind: str, name: str, ref: torch.Tensor, cand: torch.Tensor
         return None
     exact = not (ref.is_floating_point() or ref.is_complex())
     wide = torch.complex128 if ref.is_complex() else torch.float64
-    b, a = ref.to(wide).reshape(-1), cand.to(wide).reshape(-1)
+    flat_ref, flat_cand = ref.reshape(-1), cand.reshape(-1)
     shape = tuple(ref.shape)
+    # Compared a piece at a time (``PIECE``), in two passes (the tolerance depends on the
+    # tensor's largest magnitude); every figure is a max, a sum or a first index over the
+    # pieces, so it is the one a comparison of the whole tensor at once gives.
+    one = [(0, flat_ref.to(wide), flat_cand.to(wide))] if flat_ref.numel() <= PIECE else None
 
-    nan_ref, nan_cand = torch.isnan(b), torch.isnan(a)
-    if nan_ref.any():
-        i = _first(nan_ref)
-        also = " (and in candidate)" if bool(nan_cand[i]) else ""
-        return mismatch(f"NaN in reference at index {_position(i, shape)}{also}",
-                        rtol=rtol, atol=atol)
-    if nan_cand.any():
-        return mismatch(f"NaN in candidate at index {_position(_first(nan_cand), shape)}",
-                        rtol=rtol, atol=atol)
-    infinite = torch.isinf(a) | torch.isinf(b)
-    bad_inf = infinite & (a != b)
-    if bad_inf.any():
-        i = _first(bad_inf)
-        return mismatch(f"inf must match exactly; at index {_position(i, shape)}: reference "
-                        f"{_fmt(b[i])} vs candidate {_fmt(a[i])}", rtol=rtol, atol=atol)
+    def wide_pieces() -> Any:
+        """(start, reference, candidate) of each piece, widened (once, for a single piece)."""
+        if one is not None:
+            return one
+        return ((start, b.to(wide), a.to(wide)) for start, b, a in
+                zip(range(0, flat_ref.numel(), PIECE), _pieces(flat_ref), _pieces(flat_cand)))
 
-    finite = ~infinite
-    diff = torch.where(finite, (a - b).abs(), 0.0)
-    magnitude = b.abs()
-    max_abs = float(diff.max())
-    if exact:
-        outside = ref.reshape(-1) != cand.reshape(-1)
-        if not outside.any():
-            return None
-        max_rel = _worst_relative(diff, magnitude, outside)
-        i = _first(outside)
-        return mismatch(f"{int(outside.sum())} of {b.numel()} elements differ (exact match "
-                        f"required for {ref.dtype}); first at index {_position(i, shape)}: "
-                        f"reference {_fmt(b[i])} vs candidate {_fmt(a[i])}", max_abs, max_rel)
-    atol = _scaled_atol(ref.dtype, atol, float(scale),
-                        float(torch.where(torch.isfinite(b), magnitude, 0.0).max()))
-    excess = torch.where(finite, diff - (atol + rtol * magnitude), -math.inf)
-    outside = excess > 0
-    if not outside.any():
+    def value(flat: torch.Tensor, i: int) -> torch.Tensor:
+        return flat[i].to(wide)
+
+    def measured(b: torch.Tensor, a: torch.Tensor) -> tuple:
+        """(finite, diff, magnitude) of a piece."""
+        finite = ~(torch.isinf(a) | torch.isinf(b))
+        return finite, torch.where(finite, (a - b).abs(), 0.0), b.abs()
+
+    nan_ref = nan_cand = bad_inf = None
+    max_abs, tensor_scale = 0.0, 0.0
+    kept = None  # a single piece's figures, for the second pass
+    for start, b, a in wide_pieces():
+        nan_b, nan_a = torch.isnan(b), torch.isnan(a)
+        if nan_ref is None and bool(nan_b.any()):
+            nan_ref = start + _first(nan_b)
+        if nan_cand is None and bool(nan_a.any()):
+            nan_cand = start + _first(nan_a)
+        if nan_ref is not None or nan_cand is not None:
+            continue
+        finite, diff, magnitude = figures = measured(b, a)
+        wrong = ~finite & (a != b)
+        if bad_inf is None and bool(wrong.any()):
+            bad_inf = start + _first(wrong)
+        max_abs = max(max_abs, float(diff.max()))
+        tensor_scale = max(tensor_scale, float(torch.where(torch.isfinite(b), magnitude,
+                                                           0.0).max()))
+        kept = figures if one is not None else None
+    if nan_ref is not None:
+        also = " (and in candidate)" if bool(torch.isnan(value(flat_cand, nan_ref))) else ""
+        return mismatch(f"NaN in reference at index {_position(nan_ref, shape)}{also}",
+                        rtol=rtol, atol=atol)
+    if nan_cand is not None:
+        return mismatch(f"NaN in candidate at index {_position(nan_cand, shape)}",
+                        rtol=rtol, atol=atol)
+    if bad_inf is not None:
+        return mismatch(f"inf must match exactly; at index {_position(bad_inf, shape)}: "
+                        f"reference {_fmt(value(flat_ref, bad_inf))} vs candidate "
+                        f"{_fmt(value(flat_cand, bad_inf))}", rtol=rtol, atol=atol)
+
+    if not exact:
+        atol = _scaled_atol(ref.dtype, atol, float(scale), tensor_scale)
+    count, max_rel, worst, worst_excess = 0, 0.0, None, -math.inf
+    for start, b, a in wide_pieces():
+        finite, diff, magnitude = kept if kept is not None else measured(b, a)
+        if exact:
+            outside = (flat_ref[start:start + PIECE] != flat_cand[start:start + PIECE])
+        else:
+            excess = torch.where(finite, diff - (atol + rtol * magnitude), -math.inf)
+            outside = excess > 0
+        if not bool(outside.any()):
+            continue
+        count += int(outside.sum())
+        max_rel = max(max_rel, _worst_relative(diff, magnitude, outside))
+        if exact:
+            if worst is None:
+                worst = start + _first(outside)
+        else:
+            i = int(excess.argmax())  # the first of the piece's largest
+            if float(excess[i]) > worst_excess:  # strictly: the first piece's on a tie
+                worst, worst_excess = start + i, float(excess[i])
+    if not count:
         return None
-    max_rel = _worst_relative(diff, magnitude, outside)
-    i = int(excess.argmax())
-    return mismatch(f"{int(outside.sum())} of {b.numel()} elements outside tolerance; worst at "
-                    f"index {_position(i, shape)}: reference {_fmt(b[i])} vs candidate "
-                    f"{_fmt(a[i])}",
+    b_i, a_i = value(flat_ref, worst), value(flat_cand, worst)
+    if exact:
+        return mismatch(f"{count} of {flat_ref.numel()} elements differ (exact match "
+                        f"required for {ref.dtype}); first at index {_position(worst, shape)}: "
+                        f"reference {_fmt(b_i)} vs candidate {_fmt(a_i)}", max_abs, max_rel)
+    return mismatch(f"{count} of {flat_ref.numel()} elements outside tolerance; worst at "
+                    f"index {_position(worst, shape)}: reference {_fmt(b_i)} vs candidate "
+                    f"{_fmt(a_i)}",
                     max_abs, max_rel, rtol, atol)
 
 
