@@ -89,7 +89,13 @@ def assert_same_step(got: tuple, expected: tuple, what: str) -> None:
 @pytest.mark.parametrize("budget", [None, "min"], ids=["default", "min"])
 def test_a_llama_trains_step_for_step_with_dynamic_padding(budget):
     """Optimized once at (4, 64); ten batches of random lengths in [17, 256], the last of one
-    row: loss, every gradient and every parameter after AdamW equal the original's."""
+    row: loss, every gradient and every parameter after the optimizer step equal the original's.
+
+    SGD with momentum, not AdamW: AdamW's first steps move each weight by about lr * sign(g),
+    so a gradient element that cancels to near zero (its rounding as large as itself) flips a
+    weight by 2 lr when the two models sum in other orders (the chunked loss under "min" does,
+    with chunks the plan sizes): that tests rounding, not the function. tests/test_fsdp.py
+    judges AdamW's parameters against a float64 reference instead."""
     model = tiny_llama()
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(0)
@@ -102,7 +108,7 @@ def test_a_llama_trains_step_for_step_with_dynamic_padding(budget):
     if budget is not None:
         assert next(p for p in slim.fxopt_report.passes if p.name == "checkpoint").modified
 
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (slim, reference)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (slim, reference)]
     sizes = [(3, int(torch.randint(17, 257, (), generator=gen))) for _ in range(9)]
     sizes.append((1, int(torch.randint(17, 257, (), generator=gen))))
     for i, (rows, length) in enumerate(sizes):
