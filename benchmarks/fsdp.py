@@ -23,8 +23,9 @@ Columns, per rank (rank 0 printed; the ranks see the same sizes):
 - ``step MiB``: bytes of the storages allocated during one training step (forward,
   ``loss.backward()``, AdamW step, ``zero_grad``) at their peak, counted exactly with
   ``LiveStorageTracker(follow_resizes=True)``, at step 2 (AdamW's moments exist);
-- ``resident MiB``: the tensor storages the sharded module and its optimizer hold between
-  steps (parameter shards, AdamW state, and whatever else the module keeps reachable);
+- ``resident MiB``: every real tensor storage the process can reach after step 2, beyond what
+  it held before the arm was built (``fxopt.bench.sharded.resident_bytes``: parameter shards,
+  AdamW state, and whatever else anything keeps alive, found through the garbage collector);
 - ``time x fsdp2``: step time over plain FSDP2's, ``--rounds`` rounds of one step per arm in an
   order rotated each round; the median of the per-round ratios and their min-max.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import statistics
 import sys
@@ -48,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 import fxopt  # noqa: E402
 from fxopt.bench.environment import TeeOutput, code_commit  # noqa: E402
-from fxopt.bench.sharded import ShardedStep, shard_per_block  # noqa: E402
+from fxopt.bench.sharded import ShardedStep, live_storages, shard_per_block  # noqa: E402
 
 ARMS = ("fsdp2", "fsdp2+hf_gc", "fsdp2+fxopt_min")
 MiB = 2 ** 20
@@ -82,17 +84,19 @@ def _worker(rank: int, init_file: str, args: argparse.Namespace, results: dict) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=1800))
+    gc.freeze()  # what the imports made is never garbage: resident_bytes need not scan it
     try:
         runs = {}
-        for arm in ARMS:
+        for arm in ARMS:  # each arm's storages are those that appear from its build on
+            baseline = live_storages()
             model, blocks = build(arm, args)
             shard_per_block(model, blocks)
             runs[arm] = ShardedStep(
                 model, lambda m, step: m(input_ids=(ids := tokens(args, rank, step)),
                                          labels=ids).loss,
-                torch.optim.AdamW(model.parameters(), lr=1e-4))
-        for step in range(3):  # step 2 is measured: AdamW's moments exist
-            for arm in ARMS:
+                torch.optim.AdamW(model.parameters(), lr=1e-4), baseline=baseline)
+            del model
+            for step in range(3):  # step 2 is measured: AdamW's moments exist
                 runs[arm].run(step, measure=step == 2)
         for round_ in range(args.rounds):
             for arm in ARMS[round_ % len(ARMS):] + ARMS[:round_ % len(ARMS)]:

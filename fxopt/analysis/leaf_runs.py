@@ -83,6 +83,7 @@ def _measuring(module: nn.Module, found: list[LeafFigures]) -> Callable[..., Any
         packed: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()  # never ``t`` itself: see fxopt.analysis.saved's module doc
             packed.append(t)
             return t
 

@@ -23,6 +23,15 @@ Not handled: tensors saved through ``ctx.foo = x`` in a custom autograd Function
 invisible to hooks). A region checkpointed with ``torch.utils.checkpoint`` installs its own hooks
 inside the node, so its node reports only what reaches ours: the region's inputs and, for
 selective checkpointing, the results it keeps (as internal bytes).
+
+The pack hooks here (and in ``fxopt.analysis.leaf_runs``, ``fxopt.planning.inplace``) keep and
+give autograd ``t.detach()``, never ``t`` itself. Autograd holds each saved tensor's pack hook
+and what it returned from C++ until the node is freed; were either ``t`` (a node saving its own
+output) or a list of ``t``s closed over by the hook, the graph would hold itself through
+references Python's garbage collector cannot see, and live as long as the process, with every
+checkpointed region's frame in it: its RootState, the modules it read (the optimized module
+itself once they are sharded with FSDP2) and its RNG state. A detached alias shares the
+storage (what the analyses match by) and the version counter, so nothing else changes.
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ class _Recorder(fx.Interpreter):
         packed: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()  # never ``t`` itself: see fxopt.analysis.saved's module doc
             packed.append(t)
             return t
 

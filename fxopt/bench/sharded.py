@@ -6,8 +6,10 @@ torchtitan does. ``ShardedStep`` runs training steps of a sharded module and mea
 - the step peak: bytes of every storage allocated during forward, ``backward()``, the optimizer
   step and ``zero_grad`` (``LiveStorageTracker(follow_resizes=True)``, which also sees FSDP2
   free and re-gather parameters by resizing storages in place), exact on CPU;
-- the memory resident between steps: the tensor storages the module and the optimizer hold,
-  at their current size (``resident_bytes``), before each measured step.
+- the memory resident between steps: every real tensor storage the process can reach after
+  each measured step, at its current size, beyond those it held before the model was built
+  (``resident_bytes(excluding=baseline)``, ``baseline = live_storages()`` taken before building
+  it): whatever keeps a storage alive counts, the module and the optimizer or anything else.
 
 CPU only (the figures count storages, not an allocator), meant for gloo process groups.
 """
@@ -16,8 +18,7 @@ from __future__ import annotations
 
 import gc
 import time
-import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,79 +38,66 @@ def shard_per_block(module: nn.Module, blocks: list[str]) -> nn.Module:
     return module
 
 
-def resident_bytes(*roots: Any) -> int:
-    """Bytes of the real tensor storages reachable from ``roots`` (a module, its optimizer),
-    at their current size, or with no roots every one alive in the process. A DTensor counts
-    its local shard; fake tensors have no data and do not count. References are followed
-    through containers and objects' attributes, not through classes, modules or functions
-    (which lead to everything), nor into a DeviceMesh (``_bookkeeping``)."""
+def live_storages() -> dict[int, Any]:
+    """Every real tensor storage the process can reach, by address: the storage of each tensor
+    the garbage collector tracks (a DTensor counts its local shard; fake, functional and meta
+    tensors have no data). The storage objects are the values, so no address in the result is
+    reused while it is held: ``resident_bytes(excluding=...)`` leaves exactly these out.
+
+    Objects frozen with ``gc.freeze()`` are not looked at: a worker that freezes what its
+    imports made, before building any model, makes each call take milliseconds instead of a
+    second (a full collection and a scan of every object torch and transformers made)."""
     gc.collect()
-    tensors = _reachable_tensors(roots) if roots else (
-        o for o in gc.get_objects() if isinstance(o, torch.Tensor))
-    seen: set[int] = set()
-    total = 0
-    for obj in tensors:
+    found: dict[int, Any] = {}
+    for obj in gc.get_objects():
+        # not isinstance: it reads __class__, which warns for torch.distributed.reduce_op
+        if not issubclass(type(obj), torch.Tensor):
+            continue
         local = getattr(obj, "_local_tensor", obj)
         try:
             storage = local.untyped_storage()
             address = storage.data_ptr()
         except (RuntimeError, NotImplementedError):  # fake, functional or meta: no data
             continue
-        if address and address not in seen:
-            seen.add(address)
-            total += storage.nbytes()
-    return total
-
-
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-           types.MethodType, types.CodeType, types.FrameType, str, bytes)
-
-
-def _bookkeeping() -> tuple[type, ...]:
-    """Distributed bookkeeping that is no model memory: a DeviceMesh's tensor of rank ids
-    (4 bytes on 2 ranks), one per mesh FSDP2 made."""
-    if not torch.distributed.is_available():
-        return ()
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return (DeviceMesh,)
-
-
-def _reachable_tensors(roots: tuple) -> list[torch.Tensor]:
-    skip = _OPAQUE + _bookkeeping()
-    found, seen, stack = [], set(), list(roots)
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, skip):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            found.append(obj)
-        stack.extend(gc.get_referents(obj))
+        if address:
+            found.setdefault(address, storage)
     return found
+
+
+def resident_bytes(excluding: Mapping[int, Any] | None = None) -> int:
+    """Bytes, at their current size, of the ``live_storages()`` not in ``excluding`` (an earlier
+    ``live_storages()``, held since: what the process held before a model was built). Whatever
+    keeps a storage reachable counts, not only the module and its optimizer: a closure, a cache,
+    a report, an autograd graph left behind."""
+    excluding = excluding or {}
+    return sum(storage.nbytes() for address, storage in live_storages().items()
+               if address not in excluding)
 
 
 @dataclass
 class ShardedStep:
-    """Training steps of a sharded ``module``: ``loss_of(module, step) -> loss``."""
+    """Training steps of a sharded ``module``: ``loss_of(module, step) -> loss``.
+    ``baseline``: ``live_storages()`` taken before the model was built (empty: every storage of
+    the process counts as resident)."""
 
     module: nn.Module
     loss_of: Callable[[nn.Module, int], torch.Tensor]
     optimizer: torch.optim.Optimizer
+    baseline: Mapping[int, Any] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     resident: list[int] = field(default_factory=list)
 
     def run(self, step: int, *, measure: bool = True) -> None:
-        """One step; with ``measure`` its peak (and the bytes the module and the optimizer hold
-        before it) are recorded, else only its time (a tracker costs time)."""
+        """One step; with ``measure`` its peak and the bytes resident after it are recorded,
+        else only its time (a tracker costs time)."""
         if measure:
-            self.resident.append(resident_bytes(self.module, self.optimizer))
             tracker = LiveStorageTracker(follow_resizes=True)
             with tracker:
                 loss = self._step(step)
             self.peaks.append(tracker.peak_bytes)
+            self.resident.append(resident_bytes(excluding=self.baseline))
         else:
             start = time.perf_counter()
             loss = self._step(step)

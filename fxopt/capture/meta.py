@@ -87,7 +87,9 @@ class _FakeInterpreter(fx.Interpreter):
         if n.op == "get_attr":  # tracer constants are real tensors; keep meta fake throughout
             result = tree_map_only(torch.Tensor, self._as_fake, result)
         if n.op != "output":
-            n.meta["val"] = result
+            # The graph keeps values without autograd history (see drop_autograd_history); the
+            # run itself goes on with ``result`` so requires_grad propagates as in training.
+            n.meta["val"] = tree_map_only(torch.Tensor, _without_history, result)
             if isinstance(result, torch.Tensor):
                 n.meta["tensor_meta"] = tensor_metadata(result)
         return result
@@ -127,8 +129,13 @@ def drop_autograd_history(gm: fx.GraphModule) -> None:
 
     A fake run through a checkpointed region records torch.utils.checkpoint's recomputation
     closure, which holds a real copy of the RNG state (5 KiB on CPU, more with CUDA
-    generators): kept in the metadata it stays resident as long as the module lives. Analyses
-    that need views and histories run the graph again on fakes.
+    generators): kept in the metadata it stays resident as long as the module lives. Worse, the
+    closure holds the region, whose body's metadata names nodes of the graph that holds the
+    history: a cycle through autograd's C++ nodes that Python's garbage collector cannot see,
+    so a graph a later pass replaces, and the module it belongs to (FSDP2's hooks link every
+    sharded module to the root), would never be freed. ``propagate_meta`` therefore stores
+    values without history in the first place; this catches any other writer. Analyses that
+    need views and histories run the graph again on fakes.
     """
     seen: set[int] = set()
     for graph in _graphs_of(gm):

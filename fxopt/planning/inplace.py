@@ -48,7 +48,7 @@ def inplace_backward_saves_only_result(target: Any, const_args: tuple, kwargs: t
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved_storages.append(storage_key(t))
-        return t
+        return t.detach()  # never ``t`` itself: see fxopt.analysis.saved's module doc
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
