@@ -40,13 +40,20 @@ from fxopt.runtime.fused_step import FusedOptimizer
 from fxopt.verify import VerifyReport, verify
 from fxopt.verify.fused_training import FusedTrainingReport, verify_fused_training
 
-# Modules saved with torch.save before the layered packages name these flat modules (their
-# pickles and generated code import e.g. fxopt.regions.call_region): keep them importable.
+# Modules saved with torch.save before the layered packages (or before a module moved layer)
+# name these modules (their pickles and generated code import e.g. fxopt.regions.call_region):
+# keep them importable.
 _FLAT_LAYOUT_NAMES = {
     "fxopt.regions": "fxopt.runtime.regions",
     "fxopt.trace": "fxopt.capture.trace",
     "fxopt.report": "fxopt.measure.report",
     "fxopt.pipeline": "fxopt.rewrite.pipeline",
+    # moved to the graph layer (fxopt.graph) from fxopt.capture
+    "fxopt.capture.fake_run": "fxopt.graph.fake_run",
+    "fxopt.capture.meta": "fxopt.graph.meta",
+    "fxopt.capture.train_eval": "fxopt.graph.train_eval",
+    "fxopt.capture.leaf_tape": "fxopt.graph.leaf_tape",
+    "fxopt.capture.leaf_runs": "fxopt.capture.leaf_recording",
 }
 for _old, _new in _FLAT_LAYOUT_NAMES.items():
     _sys.modules.setdefault(_old, _importlib.import_module(_new))

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["runtime", "core", "capture", "analysis", "planning", "rewrite", "passes", "verify",
-          "measure", "export", "api", "bench", "cli", "package"]
+LAYERS = ["runtime", "core", "graph", "capture", "analysis", "planning", "rewrite", "passes",
+          "verify", "measure", "export", "api", "bench", "cli", "package"]
 API_MODULES = {"fxopt.api", "fxopt.check", "fxopt.testing"}
 
 
