@@ -2,13 +2,16 @@
 dispatch and bookkeeping.
 
     python benchmarks/recompute_overhead.py [--models grouped_cnn,unet,...] [--budgets 1.0,0.6,0.5,min]
-        [--threads 1] [--min-seconds 3] [--profile MODEL:BUDGET] [--out FILE]
+        [--threads 1] [--min-seconds 3] [--profile MODEL:BUDGET] [--device cpu|cuda] [--out FILE]
 
 For each model at the zoo's own (tiny) example input, the arms are the original model and
 ``fxopt.optimize(model, x, memory_budget=b)`` for each budget ``b`` (``1.0``: the same pipeline
 with a plan that recomputes nothing). Each row gives:
 
 - ``regions``: the plan's regions, full (``F``) and selective (``S``);
+- ``step ms``: the arm's median step; ``+ms``: the median, over rounds, of its step minus the
+  original's; ``pred ms``: what the plan predicted its recomputation costs (the planner's
+  per-node forward times, measured on the device, plus its per-region cost): the arithmetic;
 - ``time x``: the median, over rounds, of the arm's step time over the original's in the same round
   (training steps alternated in rotating order, ``fxopt.measure.timing.alternated_samples``), with
   the spread of those per-round ratios (10th to 90th percentile);
@@ -46,8 +49,7 @@ from fxopt.core.state import preserved_state
 from fxopt.measure.timing import alternated_samples, fresh_training_step
 
 MODELS = "grouped_cnn,odd_channel_cnn,resnet18,unet,mobilenet_v2,densenet121,resnet50"
-RNG_CALLS = {"get_rng_state", "set_rng_state", "get_state", "set_state", "graphsafe_get_state",
-             "graphsafe_set_state"}
+RNG_CALLS = {"get_rng_state", "set_rng_state"}  # torch's, torch.cuda's: the API-level calls
 SHIELDS = {"buffers_shielded", "_copied_buffers"}  # the region runtime's buffer-copying shields
 
 
@@ -98,13 +100,15 @@ def counted_step(module: torch.nn.Module, inputs: tuple) -> Counter[str]:
     return counter.counts
 
 
-def regions_of(gm: torch.nn.Module) -> str:
+def regions_of(gm: torch.nn.Module) -> tuple[str, float]:
+    """("<n> (<full>F <selective>S)", the plan's predicted recompute milliseconds)."""
     stats = next((p.stats for p in getattr(gm, "fxopt_report").passes
                   if p.name == "checkpoint"), {})
     modes = [r.mode for r in stats.get("regions", [])]
     if not modes:
-        return "0"
-    return f"{len(modes)} ({modes.count('full')}F {modes.count('selective')}S)"
+        return "0", 0.0
+    extra = sum(r.predicted_extra_ms for r in stats["regions"])
+    return f"{len(modes)} ({modes.count('full')}F {modes.count('selective')}S)", extra
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -119,23 +123,28 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--min-seconds", type=float, default=3.0)
     parser.add_argument("--profile", default="")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     out = TeeOutput(args.out)
-    for line in header(__file__, device_name("cpu")):
+    device = torch.device(args.device)
+    for line in header(__file__, device_name(device)):
         out(line)
     out("# time x: median over rounds of (arm step / original step, same round), spread 10-90%; "
         "counts: one training step (forward + backward) under sys.setprofile")
-    out(f"{'model':<16}{'input':<14}{'arm':<8}{'regions':<12}{'step ms':>9}{'time x':>8}"
+    out(f"{'model':<16}{'input':<14}{'arm':<8}{'regions':<12}{'step ms':>9}{'+ms':>8}"
+        f"{'pred ms':>8}{'time x':>8}"
         f"{'spread':>13}{'py calls':>10}{'dispatch':>10}{'rng':>6}{'shields':>9}"
         f"{'buf copies':>11}")
     for name in models_zoo.selected(args.models):
         model, inputs = models_zoo.build(name)
+        model.to(device)
+        inputs = tuple(t.to(device) for t in inputs)
         shape = "x".join(map(str, inputs[0].shape))
         arms: dict[str, torch.nn.Module] = {"orig": model}
-        regions: dict[str, str] = {"orig": "-"}
+        regions: dict[str, tuple[str, float]] = {"orig": ("-", 0.0)}
         for budget in args.budgets.split(","):
             value: Any = budget if budget == "min" else float(budget)
             try:
@@ -153,8 +162,10 @@ def main() -> int:
         for label, module, times in zip(arms, arms.values(), samples):
             ratios = [t / o for t, o in zip(times, samples[0])]
             counts = counted_step(module, inputs)
-            out(f"{name:<16}{shape:<14}{label:<8}{regions[label]:<12}"
-                f"{statistics.median(times) * 1e3:>9.2f}{statistics.median(ratios):>8.3f}"
+            excess = statistics.median([t - o for t, o in zip(times, samples[0])]) * 1e3
+            out(f"{name:<16}{shape:<14}{label:<8}{regions[label][0]:<12}"
+                f"{statistics.median(times) * 1e3:>9.2f}{excess:>8.2f}{regions[label][1]:>8.2f}"
+                f"{statistics.median(ratios):>8.3f}"
                 f"{f'{_quantile(ratios, 0.1):.2f}-{_quantile(ratios, 0.9):.2f}':>13}"
                 f"{counts['py calls']:>10}{counts['dispatch']:>10}{counts['rng']:>6}"
                 f"{counts['shields']:>9}{counts['buffer copies']:>11}")

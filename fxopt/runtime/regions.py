@@ -86,9 +86,10 @@ PRIVATE_HEAVY_OPS = ("_scaled_mm", "_scaled_dot_product_flash_attention",
                      "_scaled_dot_product_fused_attention_overrideable",
                      "_flash_attention_forward", "_efficient_attention_forward",
                      "_grouped_mm", "_scaled_grouped_mm", "_addmm_activation")
-# The ops selective recomputation keeps (their outputs are saved, everything else in a selective
-# region is recomputed). fxopt's cost model calls a node heavy when one of these runs inside it,
-# so the planner and the run time agree on what a selective region keeps.
+# The ops selective recomputation keeps. fxopt's cost model calls a node heavy when one of these
+# runs inside it, and the plan names the heavy nodes a selective region keeps (Region.kept); under
+# torch.compile SAC keeps these ops' outputs. The GPU forms (grouped and fused-epilogue matmuls,
+# the attention kernels' own entry points) are here so that a GPU graph's matmuls count as heavy.
 HEAVY_ATEN_OPS = frozenset({
     aten.convolution, aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
     *(getattr(aten, name) for name in PRIVATE_HEAVY_OPS if hasattr(aten, name)),
