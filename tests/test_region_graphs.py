@@ -432,3 +432,43 @@ def test_verification_catches_a_recompute_graph_that_updates_batch_norm_again(
     monkeypatch.setattr(fxopt.runtime.regions, "_PLAIN_BATCH_NORMS", ())
     report = verify(model, gm, x)
     assert not report.ok and {m.kind for m in report.mismatches} == {"buffer"}
+
+
+class SharedNorm(nn.Module):
+    """One BatchNorm called before a region and inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.lin(self.bn(x))))
+
+
+def test_a_batch_norm_called_inside_and_outside_a_region_keeps_what_backward_saved():
+    """The call outside saves ``running_mean`` for backward; the recomputation inside the region
+    must not write it (autograd would raise 'modified by an inplace operation'), and the
+    statistics must be updated twice per step, as the model updates them."""
+    torch.manual_seed(0)
+    model, x = SharedNorm(), torch.randn(8, 4)
+    gm = planned(model, x, 1, 4, FULL)
+    assert [n.target for n in gm._fxopt_region_0.body.graph.nodes if n.op == "call_module"] == [
+        "lin", "bn"]
+    assert_same_step(step(gm, x), step(model, x))
+
+
+def test_the_planner_prices_a_region_as_the_device_runs_it(model_and_input):
+    """A region's own cost is measured once on the planning device (a call, and each tensor its
+    recomputed nodes save); ``profile=False`` takes fixed figures, so it plans alike everywhere."""
+    from fxopt.analysis.costmodel import NOMINAL_REGION_COSTS, region_costs
+    from fxopt.analysis.node_timing import region_overhead
+    from fxopt.planning.checkpoint_problem import build_problem
+
+    per_call, per_saved = region_overhead("cpu")
+    assert 0 < per_call < 1e-2 and 0 <= per_saved < 1e-3
+    model, x = model_and_input
+    gm = trace(model, x)
+    assert region_costs(gm, profile=False) == NOMINAL_REGION_COSTS["cpu"]
+    assert region_costs(gm) == (per_call, per_saved)  # measured once per process
+    problem, _ = build_problem(gm, profile=False)
+    assert (problem.region_seconds, problem.saved_seconds) == NOMINAL_REGION_COSTS["cpu"]

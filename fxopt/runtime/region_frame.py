@@ -51,8 +51,8 @@ import torch
 class _Slot:
     """What the forward's pack hook gives autograd for one saved tensor: empty until the
     recomputation fills it. ``arg``: for a tensor a kept node saved, the index of the value in
-    the recompute graph's result that it is (``view``: the view of it, as (size, stride, offset),
-    when it is one)."""
+    the recompute graph's result that it is (``view``: the view of it, as (size, stride, storage
+    offset from the value's), when it is one)."""
 
     __slots__ = ("value", "arg", "view")
 
@@ -185,8 +185,8 @@ class RegionFrame:
                 slot = _Slot(base + index)
                 break
             if isinstance(value, torch.Tensor) and _same_storage(tensor, value):
-                slot = _Slot(base + index,
-                             (tensor.size(), tensor.stride(), tensor.storage_offset()))
+                offset = tensor.storage_offset() - value.storage_offset()  # from the value's
+                slot = _Slot(base + index, (tensor.size(), tensor.stride(), offset))
                 break
         else:
             # a weight, an input, a kept output, an internal result: kept as it is (detached:
@@ -261,7 +261,10 @@ class RegionFrame:
                 "between forward and backward, or nondeterministic control flow)")
         for slot in self.arg_slots:
             value = values[slot.arg].detach()
-            slot.value = value if slot.view is None else value.as_strided(*slot.view)
+            if slot.view is not None:
+                size, stride, offset = slot.view
+                value = value.as_strided(size, stride, value.storage_offset() + offset)
+            slot.value = value
         if self.selective:
             self.keep = None  # kept outputs: released once recomputation has read them
 

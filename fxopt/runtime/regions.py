@@ -310,7 +310,9 @@ def recomputed_batch_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Ten
     mode (or without running statistics), the call itself, which writes nothing."""
     if (type(module) in _PLAIN_BATCH_NORMS and module.training
             and module.running_mean is not None and module.running_var is not None):
-        return torch.nn.functional.batch_norm(
-            x, torch.empty_like(module.running_mean), torch.empty_like(module.running_var),
-            module.weight, module.bias, True, 0.0, module.eps)
+        # torch.batch_norm as F.batch_norm calls it (its checks passed in the forward)
+        return torch.batch_norm(
+            x, module.weight, module.bias, torch.empty_like(module.running_mean),
+            torch.empty_like(module.running_var), True, 0.0, module.eps,
+            torch.backends.cudnn.enabled)
     return module(x)
