@@ -1,12 +1,12 @@
 """The eager machinery of a checkpointed region: saved-tensor hooks over two pre-built graphs.
 
 A region (``fxopt.runtime.regions.CheckpointedRegion``) holds, besides its plain body, a
-*recompute graph* built when the model was optimized. In a training forward, ``run_checkpointed``
-runs the region's forward under ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook keeps
-nothing: each tensor autograd saves becomes a ``_Slot``. The first time backward unpacks one, the
-recompute graph runs (grad enabled, under a second pack hook that fills the slots in the order the
-forward made them) and every slot still alive gets its tensor; each is dropped once backward has
-read it. This is what ``torch.utils.checkpoint(use_reentrant=False)`` does, with three
+*recompute graph* built when the model was optimized. In a training forward, the region runs its
+forward under ``torch.autograd.graph.saved_tensors_hooks`` with a ``RegionFrame``'s pack hook,
+which keeps nothing: each tensor autograd saves becomes a ``_Slot``. The first time backward
+unpacks one, the recompute graph runs (grad enabled, under a second pack hook that fills the
+slots in the order the forward made them) and every slot gets its tensor; each is dropped once
+backward has read it. This is what ``torch.utils.checkpoint(use_reentrant=False)`` does, with three
 differences that make the recompute cost only its arithmetic:
 
 - **Selective regions keep by graph, not by dispatch mode.** The planner names the nodes whose
@@ -22,7 +22,7 @@ differences that make the recompute cost only its arithmetic:
   built; ``random``), and restored around the recomputation, on the CPU and on the devices of the
   region's tensors.
 - **BatchNorm is recomputed without touching its buffers** where that is exact: the recompute
-  graph calls ``recomputed_batch_norm`` (training mode: ``F.batch_norm`` over scratch running
+  graph calls ``recomputed_batch_norm`` (training mode: ``torch.batch_norm`` over scratch running
   statistics, which it updates and nobody reads; the output depends on the batch alone), and
   leaves out the counter's ``add_``. Only a region that writes other buffers (an unknown module
   holding buffers, a norm in a form the builder does not know) recomputes over copies of them
@@ -126,9 +126,12 @@ class _RngState:
 
     def __init__(self, devices: list[torch.device]):
         self.cpu = torch.get_rng_state()
-        self.device_type = devices[0].type if devices else None
-        self.devices = [d.index for d in devices if d.type == self.device_type]
-        module = torch.get_device_module(self.device_type) if self.device_type else None
+        device_type = devices[0].type if devices else None
+        module = torch.get_device_module(device_type) if device_type else None
+        if module is not None and not getattr(module, "is_initialized", lambda: True)():
+            module = None  # as torch's checkpoint: no device state before the device is used
+        self.device_type = device_type if module is not None else None
+        self.devices = [d.index for d in devices if d.type == device_type] if module else []
         self.states = [module.get_rng_state(d) for d in self.devices] if module else []
 
     @contextlib.contextmanager
@@ -146,7 +149,8 @@ class _RngState:
 
 def _autocast_state(device_type: str) -> tuple:
     """(device type, enabled, dtype) for the CPU and ``device_type``, and the cache flag."""
-    types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
+    types = ("cpu",) if device_type == "cpu" or not torch.amp.is_autocast_available(
+        device_type) else ("cpu", device_type)
     return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
                  for t in types) + (torch.is_autocast_cache_enabled(),)
 

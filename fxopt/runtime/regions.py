@@ -58,7 +58,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import fx
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
