@@ -6,7 +6,11 @@ dispatch and bookkeeping.
 
 For each model at the zoo's own (tiny) example input, the arms are the original model and
 ``fxopt.optimize(model, x, memory_budget=b)`` for each budget ``b`` (``1.0``: the same pipeline
-with a plan that recomputes nothing). Each row gives:
+with a plan that recomputes nothing); with ``--torch-arms``, also ``b/torch``: the same module,
+the same plan, its regions run through ``torch.utils.checkpoint`` as fxopt ran them before its
+regions had recompute graphs (selective checkpointing's dispatch mode, an RNG stash per region,
+buffers copied for every recomputation), so the two runtimes are compared on one plan in one
+run. Each row gives:
 
 - ``regions``: the plan's regions, full (``F``) and selective (``S``);
 - ``step ms``: the arm's median step; ``+ms``: the median, over rounds, of its step minus the
@@ -29,6 +33,7 @@ that arm.
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import pstats
 import re
@@ -47,6 +52,7 @@ from fxopt.bench.environment import TeeOutput, device_name, header
 from fxopt.core.errors import BudgetError
 from fxopt.core.state import preserved_state
 from fxopt.measure.timing import alternated_samples, fresh_training_step
+from fxopt.runtime.regions import CheckpointedRegion
 
 MODELS = "grouped_cnn,odd_channel_cnn,resnet18,unet,mobilenet_v2,densenet121,resnet50"
 RNG_CALLS = {"get_rng_state", "set_rng_state"}  # torch's, torch.cuda's: the API-level calls
@@ -111,6 +117,17 @@ def regions_of(gm: torch.nn.Module) -> tuple[str, float]:
     return f"{len(modes)} ({modes.count('full')}F {modes.count('selective')}S)", extra
 
 
+def through_torch_checkpoint(gm: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``gm`` whose regions run through ``torch.utils.checkpoint``, the way a
+    region without a recompute graph runs."""
+    clone = copy.deepcopy(gm)
+    for module in clone.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, CheckpointedRegion):
+                value.forward = value.recompute = None
+    return clone
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -124,6 +141,7 @@ def main() -> int:
     parser.add_argument("--min-seconds", type=float, default=3.0)
     parser.add_argument("--profile", default="")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--torch-arms", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -134,7 +152,7 @@ def main() -> int:
         out(line)
     out("# time x: median over rounds of (arm step / original step, same round), spread 10-90%; "
         "counts: one training step (forward + backward) under sys.setprofile")
-    out(f"{'model':<16}{'input':<14}{'arm':<8}{'regions':<12}{'step ms':>9}{'+ms':>8}"
+    out(f"{'model':<16}{'input':<14}{'arm':<11}{'regions':<12}{'step ms':>9}{'+ms':>8}"
         f"{'pred ms':>8}{'time x':>8}"
         f"{'spread':>13}{'py calls':>10}{'dispatch':>10}{'rng':>6}{'shields':>9}"
         f"{'buf copies':>11}")
@@ -156,6 +174,9 @@ def main() -> int:
                     f"reaches {reach.group(1) if reach else '?'} of the activations")
                 continue
             arms[budget], regions[budget] = gm, regions_of(gm)
+            if args.torch_arms and regions[budget][0] != "0":
+                arms[f"{budget}/torch"], regions[f"{budget}/torch"] = (
+                    through_torch_checkpoint(gm), regions[budget])
         started = time.perf_counter()
         samples = alternated_samples(list(arms.values()), inputs, 20,
                                      min_seconds=args.min_seconds, max_repeats=2000)
@@ -163,7 +184,7 @@ def main() -> int:
             ratios = [t / o for t, o in zip(times, samples[0])]
             counts = counted_step(module, inputs)
             excess = statistics.median([t - o for t, o in zip(times, samples[0])]) * 1e3
-            out(f"{name:<16}{shape:<14}{label:<8}{regions[label][0]:<12}"
+            out(f"{name:<16}{shape:<14}{label:<11}{regions[label][0]:<12}"
                 f"{statistics.median(times) * 1e3:>9.2f}{excess:>8.2f}{regions[label][1]:>8.2f}"
                 f"{statistics.median(ratios):>8.3f}"
                 f"{f'{_quantile(ratios, 0.1):.2f}-{_quantile(ratios, 0.9):.2f}':>13}"
