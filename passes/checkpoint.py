@@ -65,12 +65,13 @@ from fxopt.core.tensors import format_bytes
 from fxopt.core.torch_private import copy_codegen
 from fxopt.core.training_setup import TrainingSetup
 from fxopt.planning.budget import budget_bytes, is_min
-from fxopt.planning.checkpoint_problem import build_problem
+from fxopt.planning.checkpoint_problem import alias_roots, build_problem
 from fxopt.planning.checkpoint_search import least_memory_plan, search_plan
 from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, fast_chunk_rows, widest_chunk_rows
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
 from fxopt.rewrite.pass_base import PassResult, StatsItem, mark_new
-from fxopt.rewrite.subgraph import extract_region, region_io
+from fxopt.rewrite.region_graphs import region_graphs
+from fxopt.rewrite.subgraph import region_io
 from fxopt.runtime.chunked_loss import chunked_loss, chunked_loss_and_logits
 from fxopt.runtime.regions import CheckpointedRegion, call_region
 
@@ -101,16 +102,25 @@ class RegionStats(StatsItem):
 
 def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan
                ) -> list[RegionStats]:
-    """Rewrite each planned region of ``gm`` into a checkpointed call; returns one record each."""
+    """Rewrite each planned region of ``gm`` into a checkpointed call; returns one record each.
+
+    A region's graphs (``fxopt.rewrite.region_graphs``): its body, the recompute graph backward
+    runs, and for a selective region the forward that hands the outputs of the nodes the plan
+    keeps (``Region.kept``) to the recomputation; its RNG state is replayed only when one of its
+    nodes draws random numbers (``Region.random``)."""
     records = []
     existing = sum(1 for name in vars(gm) if name.startswith("_fxopt_region_"))
+    roots = alias_roots(gm)
     for number, region in enumerate(plan.regions, start=existing):
         nodes = forward[region.start:region.stop]
         name = f"_fxopt_region_{number}"
-        body, targets = extract_region(gm, nodes, class_name="CheckpointedBody")
-        setattr(gm, name, CheckpointedRegion(body, selective=region.mode == SELECTIVE,
-                                             targets=targets))
-        _replace_with_call(gm, nodes, name, targets)
+        kept = {forward[i] for i in region.kept} if region.mode == SELECTIVE else set()
+        graphs = region_graphs(gm, nodes, kept, roots)
+        setattr(gm, name, CheckpointedRegion(
+            graphs.body, selective=region.mode == SELECTIVE, targets=graphs.targets,
+            forward=graphs.forward, recompute=graphs.recompute, random=region.random,
+            shield=graphs.shield))
+        _replace_with_call(gm, nodes, name, graphs.targets)
         records.append(RegionStats(name, nodes[0].name, nodes[-1].name, len(nodes), region.mode,
                                    round(region.extra_seconds * 1e3, 3), region.freed_bytes,
                                    region.recompute_bytes))
