@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import fx, nn
 
-import passes as builtin_passes
+import fxopt.passes as builtin_passes
 from fxopt.analysis.device_memory import measure_device_memory
 from fxopt.analysis.leaf_runs import measure_leaves
 from fxopt.capture.chain import capture as capture_model
@@ -26,7 +26,7 @@ from fxopt.core.errors import EquivalenceError
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.modules import structural_copy
-from fxopt.core.pretrained import keep_pretrained_interface
+from fxopt.integrations.hf_trainer import keep_pretrained_interface
 from fxopt.core.state import preserved_state
 from fxopt.core.tensors import module_device
 from fxopt.core.training_setup import TrainingSetup, ambient_autocast

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import passes as registry
+import fxopt.passes as registry
 from fxopt.check import SCHEMA
 from fxopt.cli import commands as cli
 from fxopt.cli.progress import Progress
@@ -222,7 +222,7 @@ def test_progress_draws_on_a_terminal_only():
 
 
 def test_report_figures_agree_with_measure():
-    import models_zoo
+    from fxopt import models_zoo
     from fxopt.measure.breakdown import memory_breakdown
     from fxopt.measure.peaks import measure_train_step
     from fxopt.measure.timeline import training_timeline
@@ -367,7 +367,7 @@ def test_device_cuda_moves_model_and_inputs_and_reads_the_allocator(tmp_path, ca
 @pytest.mark.cuda
 def test_python_api_takes_a_model_and_inputs_already_on_cuda():
     import fxopt
-    import models_zoo
+    from fxopt import models_zoo
 
     model, inputs = models_zoo.build("odd_channel_cnn")
     model, inputs = model.cuda(), tuple(t.cuda() for t in inputs)

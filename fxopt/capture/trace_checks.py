@@ -31,14 +31,16 @@ from fxopt.core.modules import own_tensors
 from fxopt.core.state import preserved_state
 from fxopt.core.torch_private import checkpoint_calls_refused
 
-# The top-level packages whose frames are fxopt's machinery. ``models_zoo`` (also installed by
-# fxopt) is not among them: its forwards are model code, whose lines a user wants named.
-_OWN_PACKAGES = ("fxopt", "passes")
+# The packages whose frames are fxopt's machinery (``fxopt.passes`` lies beside ``fxopt/`` in a
+# source tree). ``fxopt.models_zoo`` is not among them: its forwards are model code, whose lines
+# a user wants named, even where it is installed inside fxopt's folder.
+_OWN_PACKAGES = ("fxopt", "fxopt.passes")
+_MODEL_PACKAGES = ("fxopt.models_zoo",)
 _FRAME_LINE = re.compile(r'File "(?P<path>[^"]+)", line \d+')
 
 
 def _package_dir(name: str) -> str | None:
-    """The real directory of the top-level package ``name`` (the one ``import name`` gives),
+    """The real directory of the package ``name`` (the one ``import name`` gives),
     with a trailing separator; None where it is not installed. Found without importing it."""
     module = sys.modules.get(name)
     file = getattr(module, "__file__", None)
@@ -60,6 +62,12 @@ def _not_user_dirs() -> tuple[str, ...]:
     return tuple(d for d in dirs if d is not None)
 
 
+@functools.cache
+def _model_dirs() -> tuple[str, ...]:
+    dirs = (_package_dir(name) for name in _MODEL_PACKAGES)
+    return tuple(d for d in dirs if d is not None)
+
+
 def is_user_file(filename: str) -> bool:
     """Whether a traceback frame's file is the user's: outside torch and fxopt's own packages.
     Generated code (``<eval_with_key>.3``, ``<string>``) counts as the user's, as before."""
@@ -67,7 +75,7 @@ def is_user_file(filename: str) -> bool:
         real = str(Path(filename).resolve())
     except (OSError, RuntimeError):
         real = os.path.abspath(filename)
-    return not real.startswith(_not_user_dirs())
+    return real.startswith(_model_dirs()) or not real.startswith(_not_user_dirs())
 
 
 def user_frame(error: BaseException) -> str:

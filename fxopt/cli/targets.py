@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import models_zoo
+import fxopt.models_zoo as models_zoo
 from fxopt.cli.device import to_device
 from fxopt.cli.inputs import DEFAULT_INT_RANGE, INPUT_DTYPES, InputSpec, draw, make_inputs
 from fxopt.core.errors import InputError
@@ -117,7 +117,7 @@ def load_inputs(path: str, model: nn.Module) -> tuple:
 def _resolve(target: str, batch: int | None) -> tuple[nn.Module, Given]:
     """The model and the target's own inputs (None for a class or a factory of a module)."""
     if target.startswith("eco:"):
-        from models_zoo import ecosystem
+        from fxopt.models_zoo import ecosystem
         entry = ecosystem.get(target[4:])
         return entry.build(), entry.inputs(batch or entry.default_batch)
     if target.startswith("zoo:"):

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-import passes
+import fxopt.passes as passes
 from fxopt.capture.trace_checks import is_user_file
 from fxopt.core.tensors import storage_bytes
 from fxopt.core.torch_private import BatchNormBase, DropoutBase
