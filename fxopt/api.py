@@ -26,7 +26,8 @@ from fxopt.core.errors import EquivalenceError
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.modules import structural_copy
-from fxopt.integrations.hf_trainer import keep_pretrained_interface
+from fxopt.core import progress
+from fxopt.integrations.hf_trainer import keep_pretrained_interface, tell_about_trainer_checkpoints
 from fxopt.core.state import preserved_state
 from fxopt.core.tensors import module_device
 from fxopt.core.training_setup import TrainingSetup, ambient_autocast
@@ -130,6 +131,23 @@ def optimize(
     Whatever happens, the user's model is left as it was: parameters, gradients, buffers,
     module flags and the RNG state.
     """
+    with progress.phase(f"optimize {type(model).__name__}"):
+        gm = _optimize(model, example_inputs, passes=passes, memory_budget=memory_budget,
+                       verify=verify, measure_memory=measure_memory, leaf_modules=leaf_modules,
+                       dump_dir=dump_dir, registry=registry, capture=capture,
+                       example_kwargs=example_kwargs, predict_memory=predict_memory,
+                       fused_optimizer=fused_optimizer, shard_blocks=shard_blocks,
+                       outputs=outputs, check_budget=check_budget)
+    tell_about_trainer_checkpoints(model)
+    return gm
+
+
+def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budget: Any,
+              verify: bool | str, measure_memory: bool, leaf_modules: tuple[str, ...],
+              dump_dir: Any, registry: PassRegistry | None, capture: str,
+              example_kwargs: dict[str, Any] | None, predict_memory: bool,
+              fused_optimizer: FusedOptimizers, shard_blocks: bool, outputs: str,
+              check_budget: bool | None) -> fx.GraphModule:
     registry = builtin_passes.REGISTRY if registry is None else registry
     verify_mode = check_verify_mode(verify) if verify is not False else None
     fused_optimizers(fused_optimizer)  # refuse what is no FusedOptimizer before any work

@@ -180,6 +180,11 @@ def _common(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
                         help="a torch.optim optimizer (adamw, sgd, ...) your training fuses into "
                              "backward with fxopt.fuse_optimizer: memory is planned and "
                              "predicted with each gradient freed at its step")
+    parser.add_argument("--progress", action="store_true",
+                        help="tell each phase (capture, predict, each pass, verify, measure) and "
+                             "its time on stderr even when it is not a terminal (on a terminal, "
+                             "a status line shows them anyway; FXOPT_PROGRESS=1 does the same, "
+                             "FXOPT_PROGRESS=0 silences it)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
 
 
@@ -444,11 +449,15 @@ def main(argv: list[str] | None = None) -> int:
     # torch logs a traceback for each failed fake-tensor op; fxopt's own error says what failed
     from fxopt.cli.device import parse_device, torch_threads
 
+    from fxopt.core import progress
+
     quiet = contextlib.nullcontext() if args.debug else quiet_fake_tensor_logs()
+    target = args.target if isinstance(args.target, str) else ",".join(args.target)
     try:
-        with quiet, torch_threads(args.threads):
+        with quiet, torch_threads(args.threads), progress.shown(True if args.progress else None):
             args.device = parse_device(args.device)
-            return COMMANDS[args.command](args)
+            with progress.phase(f"{args.command} {target}"):
+                return COMMANDS[args.command](args)
     except EquivalenceError as error:
         if args.debug:
             raise
