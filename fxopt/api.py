@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 import fxopt.passes as builtin_passes
@@ -22,7 +23,7 @@ from fxopt.capture.chain import check_capture_option
 from fxopt.capture.meta import drop_autograd_history
 from fxopt.capture.train_eval import refuse_pickling
 from fxopt.core import meta_keys
-from fxopt.core.errors import EquivalenceError
+from fxopt.core.errors import BudgetError, EquivalenceError, InputError
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.modules import structural_copy
@@ -182,7 +183,11 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
             report.predicted_before = (predicted_peaks(gm, training) if predict_memory
                                        else None)
         with clock("passes"):
-            report.passes = run_passes(gm, config, registry)
+            try:
+                report.passes = run_passes(gm, config, registry)
+            except BudgetError:  # a model that cannot run on its inputs is the cause, if so
+                refuse_a_model_that_does_not_run(model, args)
+                raise
         if checked:
             with clock("budget check"):
                 gm, report.passes, report.budget_check = keep_budget(
@@ -217,6 +222,25 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
             report.memory_after = measure(gm, args)
     gm.fxopt_report = report
     return gm
+
+
+def refuse_a_model_that_does_not_run(model: nn.Module, args: tuple) -> None:
+    """``InputError`` when ``model``'s forward fails on ``args`` (an int64 tensor into a
+    ``Linear``): fake tensors do not check every dtype rule, so such a model can reach a budget
+    it cannot meet, and the budget is then not the problem. Runs one forward without autograd,
+    only on that error's path (the caller preserves the model's state)."""
+    try:
+        with torch.no_grad():
+            model(*args)
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise InputError(
+            f"{type(model).__name__} does not run on the example inputs: "
+            f"{type(error).__name__}: {first}",
+            where=f"{type(model).__name__}.forward on the example inputs",
+            hint="check that the model runs a forward and a backward on these example inputs "
+                 "without fxopt (dtypes: token ids go to an nn.Embedding, floats to "
+                 "nn.Linear)") from error
 
 
 def copy_training_flags(model: nn.Module, gm: fx.GraphModule) -> None:

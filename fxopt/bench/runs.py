@@ -249,7 +249,8 @@ def format_table(rows: list[BenchRow], device: str | None = None) -> str:
                      f"{ratio:>8}  {equal:<6} {row.note}")
     where = device or ("cuda " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     samples = next((r.step_samples for r in rows if r.step_samples), None)
-    lines.append(f"(device: {where}; train peak: {PEAK_DEFINITION}, allocator level;")
+    lines.append(f"(device: {where}; train peak: {PEAK_DEFINITION}, as fxopt.measure and "
+                 "fxopt optimize measure it;")
     lines.append(f" step ms: {samples or 'n/a'} training steps of every variant, alternated in "
                  "one run; x orig: the row's figure over the original's)")
     if any(row.time_within_noise for row in rows):

@@ -128,6 +128,33 @@ def has_checkpointed_regions(model: nn.Module) -> bool:
         getattr(n.target, "__name__", "") == "call_region" for n in graph.nodes)
 
 
+_RELATIONS = {"Eq": "==", "Ne": "!=", "Lt": "<", "Le": "<=", "Gt": ">", "Ge": ">="}
+_GUARD = re.compile(r"\b(Eq|Ne|Lt|Le|Gt|Ge)\(\s*([us]\d+)\s*,\s*([^()]+?)\s*\)")
+
+
+def in_words(error: BaseException) -> str:
+    """``Type: first line`` of a torch error, with torch's internals said in words: symbolic
+    tracing's ``co_varnames is too small`` (a forward wrapped in a ``*args, **kwargs``
+    decorator), and torch.export's guards on data-dependent symbols (``Eq(u0, 1)``, ``expression
+    u0 (unhinted: u0)``: a value read from a tensor's data, compared with 1 or used as an int)."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    if "co_varnames" in first:
+        return ("forward is wrapped in a decorator taking (*args, **kwargs), whose signature "
+                "symbolic tracing cannot rebuild")
+    if ("data-dependent" in first or "data dependent" in first
+            or "DataDependent" in type(error).__name__):
+        guard = _GUARD.search(first)
+        if guard:
+            relation, symbol, other = guard.groups()
+            what = f"compares a value read from a tensor's data ({_RELATIONS[relation]} {other})"
+        else:
+            what = "reads a value from a tensor's data (.item(), int(tensor), if tensor)"
+        return (f"forward {what} and uses it where a graph needs it fixed: which code runs "
+                "depends on the data")
+    return f"{type(error).__name__}: {first}"
+
+
 def root_failure_hint(error: BaseException, model: nn.Module) -> str:
     """What to do when the root's own forward cannot be traced."""
     if isinstance(error, UserCheckpoint) and has_checkpointed_regions(model):

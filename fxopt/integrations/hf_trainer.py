@@ -253,7 +253,11 @@ def keep_pretrained_interface(gm: fx.GraphModule, model: nn.Module) -> None:
     object.__setattr__(gm, _STAND_IN, stand_in)
     # Named like torch.fx's per-instance classes, so that a copy's class derives from
     # PretrainedInterface (GraphModule.__new__ skips classes of that name).
+    # Its __name__ stays the model's (LlamaForCausalLM): what an export names its class and a
+    # repr shows (only __qualname__ matters to GraphModule.__new__).
+    name = type(gm).__name__
     gm.__class__ = type("GraphModuleImpl", (PretrainedInterface, type(gm)), {})
+    gm.__class__.__name__ = name
 
 
 def _stand_in(model: nn.Module) -> nn.Module:
