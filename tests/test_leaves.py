@@ -275,7 +275,8 @@ def test_cli_optimizes_the_branching_cnn_and_predicts_its_peaks(capsys):
 
 def test_cli_leaf_modules_and_a_budget_on_the_moe_transformer(tmp_path, capsys):
     paths = ",".join(MOE_LEAVES)
-    code, out, err = run_cli(["optimize", "fxopt.models_zoo.leaves:moe_transformer", "--leaf-modules",
+    code, out, err = run_cli(["optimize", "fxopt.models_zoo.leaves:moe_transformer",
+                              "--leaf-modules",
                               paths, "--memory-budget", "min", "--repeats", "1", "--threads", "1"],
                              capsys)
     assert code == 0, err

@@ -366,8 +366,8 @@ def _report(args: argparse.Namespace) -> int:
         progress.close()
         print(breakdown.format(top=args.top))
         shown = grouped(lints)  # one entry for what many layers share
-        print(f"lints ({len(lints)}{f' in {len(shown)} groups' if len(shown) < len(lints) else ''}):"
-              if lints else "lints: none")
+        groups = f" in {len(shown)} groups" if len(shown) < len(lints) else ""
+        print(f"lints ({len(lints)}{groups}):" if lints else "lints: none")
         for lint in shown:
             print("  " + str(lint).replace("\n", "\n  "))
     timelines = []

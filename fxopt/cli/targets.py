@@ -108,7 +108,8 @@ def _refuse_meta(target: str, model: nn.Module, inputs: tuple) -> None:
         raise InputError(error.what, where=f"TARGET {target} ({error.where})",
                          hint="materialise the model first (model.to_empty(device='cpu'), then "
                               "load its weights, e.g. with --weights), or rewrite it from Python "
-                              "with fxopt.optimize(..., verify=False), which runs nothing") from None
+                              "with fxopt.optimize(..., verify=False), which runs nothing"
+                         ) from None
 
 
 def load_inputs(path: str, model: nn.Module) -> tuple:

@@ -10,8 +10,8 @@ is told two ways:
 - **A status line on stderr**, when it is a terminal: the phases running now and the seconds
   spent in the innermost one, redrawn in place twice a second and erased when the outermost phase
   ends. In a pipe or a file, nothing, unless asked: ``FXOPT_PROGRESS=1`` (or the CLI's
-  ``--progress``) writes plain lines instead, one when a phase starts and one when it ends; ``FXOPT_PROGRESS=0`` silences
-  the terminal line too.
+  ``--progress``) writes plain lines instead, one when a phase starts and one when it ends;
+  ``FXOPT_PROGRESS=0`` silences the terminal line too.
 
 ``counter(title, done, total, label)`` shows a count of larger steps in front of the phases
 (``fxopt bench [3/9] zoo:resnet18 fxopt``): the CLI's bars (``fxopt.cli.progress``) draw
@@ -109,7 +109,8 @@ class _Status:
             return
         label, started = self.stack[-1]
         path = " › ".join(name for name, _ in self.stack)
-        line = f"fxopt {self.count + ' ' if self.count else ''}{path}  {time.perf_counter() - started:.0f} s"
+        count = self.count + " " if self.count else ""
+        line = f"fxopt {count}{path}  {time.perf_counter() - started:.0f} s"
         self._write("\r" + line[:150] + "\x1b[K")
         self.drawn = True
 
