@@ -126,6 +126,13 @@ def optimize(
     module takes them by keyword or by position, and parameters skipped before the last one
     given are fixed at their defaults.
 
+    Progress: each phase (capture, predict, each pass, verify, measure) is logged to the
+    ``"fxopt"`` logger at its start and end, with its seconds, and shown on a status line when
+    stderr is a terminal; quiet in a pipe unless ``FXOPT_PROGRESS=1`` (``fxopt.core.progress``).
+    For a transformers ``PreTrainedModel`` it warns (``TrainerCheckpointWarning``) that
+    ``Trainer`` needs ``callbacks=[fxopt.pretrained_checkpoints()]`` to write checkpoints that
+    load as the model.
+
     Errors are ``fxopt.FxoptError`` subclasses: ``InputError`` (not a module, unusable inputs,
     a model that does not run on them), ``TraceError``, ``ConfigError``, ``BudgetError``,
     ``PassError`` (a pass crashed: a bug), ``EquivalenceError`` (verification failed: a bug).
