@@ -18,7 +18,7 @@ from fxopt.core.errors import BudgetError
 from fxopt.core.state import preserved_state
 from fxopt.measure.peaks import measure_inference, measure_train_step
 from fxopt.verify.equivalence import verify
-from passes.checkpoint import checkpoint
+from fxopt.passes.checkpoint import checkpoint
 
 
 def conv_stack(width: int = 12, depth: int = 6) -> nn.Module:

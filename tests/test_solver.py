@@ -106,7 +106,7 @@ def test_solver_work_on_resnet152_sized_graph(monkeypatch):
     fails on a loaded machine, and a count does not depend on it): each solve keeps a few DP
     states per atom boundary (the pending values it tracks stay few), relaxes the arcs of each,
     and runs at most twice (once more to absorb the exact union count)."""
-    import models_zoo
+    from fxopt import models_zoo
     from fxopt.capture.trace import trace
     from fxopt.planning import solver
     from fxopt.planning.checkpoint_problem import build_problem
@@ -210,7 +210,7 @@ def test_a_budget_above_one_that_is_met_is_met_too():
     memory levels spanned the whole budget, too coarse for the few MB that decide: 0.5 was
     refused (four re-solves over the same over-budget plan) while 0.45 was met; resnet152 the
     same at 0.65 and 0.5."""
-    import models_zoo
+    from fxopt import models_zoo
     from fxopt.capture.trace import trace
     from fxopt.planning.checkpoint_problem import build_problem
 
