@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-import models_zoo
+import fxopt.models_zoo as models_zoo
 from fxopt.api import optimize
 from fxopt.bench.environment import TeeOutput, device_name, header
 from fxopt.core.errors import BudgetError

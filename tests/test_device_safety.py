@@ -53,7 +53,7 @@ from fxopt.core.torch_private import FakeTensorMode, tree_leaves
 from fxopt.export import export, load_exported
 from fxopt.runtime.devices import tensor_device
 from fxopt.runtime.input_guard import InputGuard
-from models_zoo import registry
+from fxopt.models_zoo import registry
 
 FULL = os.environ.get("FXOPT_DEVICE_SAFETY_FULL") == "1"
 BUDGETS = (None, "min")

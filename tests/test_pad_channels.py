@@ -479,7 +479,7 @@ def test_default_policy_is_a_quick_no_op_on_cpu(monkeypatch):
             raise AssertionError(f"the CPU default called {name}")
         return fail
 
-    module = importlib.import_module("passes.pad_channels")  # the name is also the function's
+    module = importlib.import_module("fxopt.passes.pad_channels")  # the name is also the function's
     for name in ("plan_padding", "default_decider"):
         monkeypatch.setattr(module, name, refused(name))
     monkeypatch.setattr("fxopt.planning.pad_policy.time_case", refused("time_case"))

@@ -23,7 +23,7 @@ from fxopt.measure.peaks import measure_train_step
 from fxopt.planning.solver import FULL, SELECTIVE, CheckpointPlan, Region
 from fxopt.runtime.regions import CheckpointedRegion
 from fxopt.verify.equivalence import verify
-from passes.checkpoint import apply_plan
+from fxopt.passes.checkpoint import apply_plan
 
 CALLS = ("call_function", "call_method", "call_module")
 
