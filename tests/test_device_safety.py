@@ -93,7 +93,7 @@ def _built(factory) -> nn.Module:
 
 def hf_case(name: str) -> tuple[nn.Module, tuple, dict]:
     transformers = pytest.importorskip("transformers")
-    from models_zoo import ecosystem
+    from fxopt.models_zoo import ecosystem
 
     if name == "gemma2":
         config = transformers.Gemma2Config(**ecosystem._LM, num_key_value_heads=2, head_dim=8,

@@ -133,3 +133,19 @@ def test_a_users_own_passes_package_stays_theirs(tmp_path):
                      "fxopt.passes.__file__)", path=ROOT, cwd=tmp_path)
     mine, theirs = out.split()
     assert mine == "True" and theirs == str(ROOT / "passes" / "__init__.py")
+
+
+def test_no_code_imports_the_repositorys_top_level_packages():
+    """In the repository ``passes`` and ``models_zoo`` also import as top-level packages (the
+    working directory is on the path), as a second copy of ``fxopt.passes`` and
+    ``fxopt.models_zoo``: a monkeypatch or a registry change made on one never reaches the
+    other. Code, tests and benchmarks name them through fxopt."""
+    import re
+
+    pattern = re.compile(r"^\s*(from|import) (passes|models_zoo)\b|import_module\(\"(passes|models_zoo)",
+                         re.MULTILINE)
+    root = Path(__file__).resolve().parent.parent
+    found = [f"{path.relative_to(root)}" for folder in ("fxopt", "passes", "models_zoo", "tests",
+                                                         "benchmarks")
+             for path in (root / folder).rglob("*.py") if pattern.search(path.read_text())]
+    assert found == []
