@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fxopt  # noqa: E402
-import passes as builtin_passes  # noqa: E402
+import fxopt.passes as builtin_passes  # noqa: E402
 from fxopt.bench.environment import TeeOutput, code_commit  # noqa: E402
 
 KiB = 1024
@@ -36,7 +36,7 @@ def _models():
     import torchvision
     import transformers
 
-    from models_zoo.transformer import TinyLanguageModel
+    from fxopt.models_zoo.transformer import TinyLanguageModel
 
     def hf(config_class, model_class, **config):
         def build():

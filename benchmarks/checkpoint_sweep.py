@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-import models_zoo
+from fxopt import models_zoo
 from fxopt.analysis import estimate_peak
 from fxopt.api import optimize
 from fxopt.bench.environment import device_name

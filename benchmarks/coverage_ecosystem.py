@@ -159,7 +159,7 @@ def run_one(name: str, budget: str) -> dict[str, Any]:
     """Optimize one model in this process; the result row as a dict."""
     import torch
 
-    from models_zoo import ecosystem
+    from fxopt.models_zoo import ecosystem
 
     torch.set_num_threads(1)
     _quiet_libraries()
@@ -193,14 +193,14 @@ def run_one(name: str, budget: str) -> dict[str, Any]:
 
 
 def _library_of(name: str) -> str | None:
-    from models_zoo import ecosystem
+    from fxopt.models_zoo import ecosystem
 
     return LEAF_MODELS[name][0] if name in LEAF_MODELS else ecosystem.library_of(name)
 
 
 def _built(name: str) -> tuple[Any, tuple, dict]:
     """(model, positional inputs, keyword inputs) of an ecosystem or a leaf model."""
-    from models_zoo import ecosystem, leaves
+    from fxopt.models_zoo import ecosystem, leaves
 
     if name in LEAF_MODELS:
         model, inputs = getattr(leaves, LEAF_MODELS[name][1])()
@@ -402,7 +402,7 @@ def main() -> None:
         print(json.dumps(run_one(args.one, args.budget)))
         return
 
-    from models_zoo import ecosystem
+    from fxopt.models_zoo import ecosystem
 
     skipped = ecosystem.skipped(args.library)
     if args.models:

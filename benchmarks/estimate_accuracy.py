@@ -19,7 +19,7 @@ import time
 
 import torch
 
-import models_zoo
+from fxopt import models_zoo
 from fxopt.analysis import estimate_peak
 from fxopt.bench.environment import device_name
 from fxopt.measure.peaks import measure_inference, measure_train_step

@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import models_zoo
+from fxopt import models_zoo
 from fxopt.api import optimize
 from fxopt.bench.environment import TeeOutput, code_commit, device_name
 from fxopt.core.errors import FxoptError

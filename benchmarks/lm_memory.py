@@ -64,7 +64,7 @@ import time
 import torch
 from torch import nn
 
-import passes
+from fxopt import passes
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.api import optimize
 from fxopt.bench.environment import TeeOutput, device_name, header

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-import models_zoo
+from fxopt import models_zoo
 from fxopt.api import optimize
 from fxopt.bench.environment import device_name
 from fxopt.capture.trace import trace

@@ -12,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import fx, nn
 
-import passes as builtin_passes
+import fxopt.passes as builtin_passes
 from fxopt.analysis.device_memory import measure_device_memory
 from fxopt.analysis.leaf_runs import measure_leaves
 from fxopt.capture.chain import capture as capture_model
@@ -22,11 +23,12 @@ from fxopt.capture.chain import check_capture_option
 from fxopt.graph.meta import drop_autograd_history
 from fxopt.graph.train_eval import refuse_pickling
 from fxopt.core import meta_keys
-from fxopt.core.errors import EquivalenceError
+from fxopt.core.errors import BudgetError, EquivalenceError, InputError
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.modules import structural_copy
-from fxopt.core.pretrained import keep_pretrained_interface
+from fxopt.core import progress
+from fxopt.integrations.hf_trainer import keep_pretrained_interface, tell_about_trainer_checkpoints
 from fxopt.core.state import preserved_state
 from fxopt.core.tensors import module_device
 from fxopt.core.training_setup import TrainingSetup, ambient_autocast
@@ -124,12 +126,36 @@ def optimize(
     module takes them by keyword or by position, and parameters skipped before the last one
     given are fixed at their defaults.
 
+    Progress: each phase (capture, predict, each pass, verify, measure) is logged to the
+    ``"fxopt"`` logger at its start and end, with its seconds, and shown on a status line when
+    stderr is a terminal; quiet in a pipe unless ``FXOPT_PROGRESS=1`` (``fxopt.core.progress``).
+    For a transformers ``PreTrainedModel`` it warns (``TrainerCheckpointWarning``) that
+    ``Trainer`` needs ``callbacks=[fxopt.pretrained_checkpoints()]`` to write checkpoints that
+    load as the model.
+
     Errors are ``fxopt.FxoptError`` subclasses: ``InputError`` (not a module, unusable inputs,
     a model that does not run on them), ``TraceError``, ``ConfigError``, ``BudgetError``,
     ``PassError`` (a pass crashed: a bug), ``EquivalenceError`` (verification failed: a bug).
     Whatever happens, the user's model is left as it was: parameters, gradients, buffers,
     module flags and the RNG state.
     """
+    with progress.phase(f"optimize {type(model).__name__}"):
+        gm = _optimize(model, example_inputs, passes=passes, memory_budget=memory_budget,
+                       verify=verify, measure_memory=measure_memory, leaf_modules=leaf_modules,
+                       dump_dir=dump_dir, registry=registry, capture=capture,
+                       example_kwargs=example_kwargs, predict_memory=predict_memory,
+                       fused_optimizer=fused_optimizer, shard_blocks=shard_blocks,
+                       outputs=outputs, check_budget=check_budget)
+    tell_about_trainer_checkpoints(model)
+    return gm
+
+
+def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budget: Any,
+              verify: bool | str, measure_memory: bool, leaf_modules: tuple[str, ...],
+              dump_dir: Any, registry: PassRegistry | None, capture: str,
+              example_kwargs: dict[str, Any] | None, predict_memory: bool,
+              fused_optimizer: FusedOptimizers, shard_blocks: bool, outputs: str,
+              check_budget: bool | None) -> fx.GraphModule:
     registry = builtin_passes.REGISTRY if registry is None else registry
     verify_mode = check_verify_mode(verify) if verify is not False else None
     fused_optimizers(fused_optimizer)  # refuse what is no FusedOptimizer before any work
@@ -164,7 +190,11 @@ def optimize(
             report.predicted_before = (predicted_peaks(gm, training) if predict_memory
                                        else None)
         with clock("passes"):
-            report.passes = run_passes(gm, config, registry)
+            try:
+                report.passes = run_passes(gm, config, registry)
+            except BudgetError:  # a model that cannot run on its inputs is the cause, if so
+                refuse_a_model_that_does_not_run(model, args)
+                raise
         if checked:
             with clock("budget check"):
                 gm, report.passes, report.budget_check = keep_budget(
@@ -199,6 +229,25 @@ def optimize(
             report.memory_after = measure(gm, args)
     gm.fxopt_report = report
     return gm
+
+
+def refuse_a_model_that_does_not_run(model: nn.Module, args: tuple) -> None:
+    """``InputError`` when ``model``'s forward fails on ``args`` (an int64 tensor into a
+    ``Linear``): fake tensors do not check every dtype rule, so such a model can reach a budget
+    it cannot meet, and the budget is then not the problem. Runs one forward without autograd,
+    only on that error's path (the caller preserves the model's state)."""
+    try:
+        with torch.no_grad():
+            model(*args)
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise InputError(
+            f"{type(model).__name__} does not run on the example inputs: "
+            f"{type(error).__name__}: {first}",
+            where=f"{type(model).__name__}.forward on the example inputs",
+            hint="check that the model runs a forward and a backward on these example inputs "
+                 "without fxopt (dtypes: token ids go to an nn.Embedding, floats to "
+                 "nn.Linear)") from error
 
 
 def copy_training_flags(model: nn.Module, gm: fx.GraphModule) -> None:

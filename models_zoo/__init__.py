@@ -5,7 +5,7 @@ identical weights on every call without touching torch's global RNG state, and
 ``example_inputs(batch_size)`` gives identical tensors for the same batch size.
 """
 
-from models_zoo.entry import ZooEntry
-from models_zoo.registry import build, get, names, selected
+from fxopt.models_zoo.entry import ZooEntry
+from fxopt.models_zoo.registry import build, get, names, selected
 
 __all__ = ["ZooEntry", "build", "get", "names", "selected"]

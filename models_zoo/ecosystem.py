@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from fxopt.core.errors import InputError
-from models_zoo.entry import BUILD_SEED, INPUT_SEED, checked_batch
+from fxopt.models_zoo.entry import BUILD_SEED, INPUT_SEED, checked_batch
 
 LIBRARIES = ("transformers", "diffusers", "smp", "monai", "timm")
 _IMPORT_NAMES = {"transformers": "transformers", "diffusers": "diffusers",

@@ -15,7 +15,7 @@ Neither of the first two draws random numbers in forward before its data-depende
 dropout there), so the routing, and with it the memory a step takes, is the same on every run
 for the same inputs. Not registered in ``models_zoo.names()`` (whose models all run on fake
 tensors as they are); build them with the factories below, which return ``(model,
-example_inputs)`` like a CLI factory target (``models_zoo.leaves:branchy_cnn``).
+example_inputs)`` like a CLI factory target (``fxopt.models_zoo.leaves:branchy_cnn``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models_zoo.entry import float_inputs, seeded_builder
-from models_zoo.transformer import SelfAttention
+from fxopt.models_zoo.entry import float_inputs, seeded_builder
+from fxopt.models_zoo.transformer import SelfAttention
 
 
 def _conv_bn_relu(c_in: int, c_out: int, stride: int = 1) -> nn.Sequential:

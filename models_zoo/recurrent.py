@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models_zoo.entry import ZooEntry, float_inputs, zoo_entry
+from fxopt.models_zoo.entry import ZooEntry, float_inputs, zoo_entry
 
 FEATURES = 16
 SEQ_LEN = 12

@@ -7,8 +7,8 @@ import difflib
 from torch import nn
 
 from fxopt.core.errors import InputError
-from models_zoo import recurrent, small_nets, torchvision_models, transformer, unet
-from models_zoo.entry import ZooEntry
+from fxopt.models_zoo import recurrent, small_nets, torchvision_models, transformer, unet
+from fxopt.models_zoo.entry import ZooEntry
 
 _ENTRIES: dict[str, ZooEntry] = {
     entry.name: entry

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models_zoo.entry import ZooEntry, float_inputs, zoo_entry
+from fxopt.models_zoo.entry import ZooEntry, float_inputs, zoo_entry
 
 
 class MnistNet(nn.Module):

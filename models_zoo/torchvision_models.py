@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from models_zoo.entry import ZooEntry, float_inputs, zoo_entry
+from fxopt.models_zoo.entry import ZooEntry, float_inputs, zoo_entry
 
 IMAGE_SIZE = 64
 

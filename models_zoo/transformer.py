@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from models_zoo.entry import ZooEntry, float_inputs, token_inputs, zoo_entry
+from fxopt.models_zoo.entry import ZooEntry, float_inputs, token_inputs, zoo_entry
 
 DROPOUT = 0.1
 GPT2_VOCAB = 50257

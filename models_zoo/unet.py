@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models_zoo.entry import ZooEntry, float_inputs, zoo_entry
+from fxopt.models_zoo.entry import ZooEntry, float_inputs, zoo_entry
 
 ENCODER_WIDTHS = (8, 16, 32)
 BOTTLENECK_WIDTH = 64

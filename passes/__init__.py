@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from fxopt.rewrite.blocks import keep_blocks
 from fxopt.rewrite.registry import PassRegistry, PassSpec
-from passes.causal_attention import causal_attention
-from passes.checkpoint import checkpoint
-from passes.chunked_loss import chunked_loss
-from passes.inplace_activations import inplace_activations
-from passes.pad_channels import pad_channels
-from passes.reorder import reorder
+from fxopt.passes.causal_attention import causal_attention
+from fxopt.passes.checkpoint import checkpoint
+from fxopt.passes.chunked_loss import chunked_loss
+from fxopt.passes.inplace_activations import inplace_activations
+from fxopt.passes.pad_channels import pad_channels
+from fxopt.passes.reorder import reorder
 
 REGISTRY = PassRegistry([
     PassSpec("pad_channels", pad_channels,

@@ -65,12 +65,14 @@ from fxopt.core.tensors import format_bytes
 from fxopt.core.torch_private import copy_codegen
 from fxopt.core.training_setup import TrainingSetup
 from fxopt.planning.budget import budget_bytes, is_min
-from fxopt.planning.checkpoint_problem import build_problem
+from fxopt.planning.checkpoint_problem import alias_roots, build_problem
 from fxopt.planning.checkpoint_search import least_memory_plan, search_plan
 from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, fast_chunk_rows, widest_chunk_rows
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
 from fxopt.rewrite.pass_base import PassResult, StatsItem, mark_new
-from fxopt.rewrite.subgraph import extract_region, region_io
+from fxopt.analysis.blocks import module_span
+from fxopt.rewrite.region_graphs import region_graphs
+from fxopt.rewrite.subgraph import region_io
 from fxopt.runtime.chunked_loss import chunked_loss, chunked_loss_and_logits
 from fxopt.runtime.regions import CheckpointedRegion, call_region
 
@@ -81,7 +83,10 @@ PASS_NAME = "checkpoint"
 
 @dataclass(frozen=True)
 class RegionStats(StatsItem):
-    """One checkpointed region, in the pass's ``stats["regions"]``."""
+    """One checkpointed region, in the pass's ``stats["regions"]``: named as the user knows the
+    model (``module``: the deepest module all of it runs in, ``model.layers.3``; ``from_module``
+    .. ``to_module``: where it starts and ends), and by the attribute and graph nodes of the
+    optimized module."""
 
     region: str               # the attribute of the module that holds it
     first: str                # its first and last node
@@ -91,29 +96,76 @@ class RegionStats(StatsItem):
     predicted_extra_ms: float  # recompute time in backward, predicted
     kept_bytes_saved: int     # bytes no longer kept for backward
     rebuilt_bytes: int        # bytes its recomputation rebuilds in backward
+    module: str = ""          # the deepest module it runs in ("": the root)
+    from_module: str = ""     # the module its first and last node run in
+    to_module: str = ""
+
+    def where(self) -> str:
+        """``model.layers.3 (self_attn.q_proj .. mlp.down_proj)``: module paths, relative to the
+        common module inside the parentheses."""
+        common = self.module or "the model's own forward"
+        inside = [_relative(m, self.module) for m in (self.from_module, self.to_module)]
+        inside = [m for m in dict.fromkeys(inside) if m]
+        return f"{common} ({' .. '.join(inside)})" if inside else common
 
     def line(self) -> str:
-        return (f"{self.region:<18} {self.mode:<9} {self.nodes:>3} nodes  {self.first} .. "
-                f"{self.last}: keeps {format_bytes(self.kept_bytes_saved)} less, rebuilds "
+        return (f"{self.region:<18} {self.mode:<9} {self.nodes:>3} nodes in {self.where()}, "
+                f"nodes {self.first} .. {self.last}: keeps "
+                f"{format_bytes(self.kept_bytes_saved)} less, rebuilds "
                 f"{format_bytes(self.rebuilt_bytes)} in backward, "
                 f"+{self.predicted_extra_ms:.2f} ms predicted")
 
 
+def _why_nothing_lowers(estimate: Any, loss_chunked: bool) -> str:
+    """In words, why ``"min"`` checkpoints nothing: what the predicted peak is made of."""
+    parts = [f"{format_bytes(estimate.baseline_bytes)} parameters, buffers and inputs"]
+    if estimate.grad_bytes:
+        parts.append(f"{format_bytes(estimate.grad_bytes)} parameter gradients")
+    if estimate.optimizer_step_bytes:
+        parts.append(f"{format_bytes(estimate.optimizer_step_bytes)} of the fused optimizer step")
+    parts.append(f"{format_bytes(estimate.activation_bytes)} activations and backward "
+                 "temporaries")
+    why = (f"no plan predicts less than the original: nothing is checkpointed, because no "
+           f"region recomputed in backward lowers the predicted peak of "
+           f"{format_bytes(estimate.bytes)}, reached at {estimate.op} with "
+           f"{', '.join(parts[:-1])} and {parts[-1]} alive")
+    if loss_chunked:
+        why += ("; the chunked loss sizes its token chunks to this peak (loss_chunk_rows): "
+                "what \"min\" saves here comes from the loss")
+    return why
+
+
+def _relative(path: str, common: str) -> str:
+    if not common or path == common:
+        return "" if path == common else path
+    return path.removeprefix(common + ".")
+
+
 def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan
                ) -> list[RegionStats]:
-    """Rewrite each planned region of ``gm`` into a checkpointed call; returns one record each."""
+    """Rewrite each planned region of ``gm`` into a checkpointed call; returns one record each.
+
+    A region's graphs (``fxopt.rewrite.region_graphs``): its body, the recompute graph backward
+    runs, and for a selective region the forward that hands the outputs of the nodes the plan
+    keeps (``Region.kept``) to the recomputation; its RNG state is replayed only when one of its
+    nodes draws random numbers (``Region.random``)."""
     records = []
     existing = sum(1 for name in vars(gm) if name.startswith("_fxopt_region_"))
+    roots = alias_roots(gm)
     for number, region in enumerate(plan.regions, start=existing):
         nodes = forward[region.start:region.stop]
         name = f"_fxopt_region_{number}"
-        body, targets = extract_region(gm, nodes, class_name="CheckpointedBody")
-        setattr(gm, name, CheckpointedRegion(body, selective=region.mode == SELECTIVE,
-                                             targets=targets))
-        _replace_with_call(gm, nodes, name, targets)
+        kept = {forward[i] for i in region.kept} if region.mode == SELECTIVE else set()
+        module, first, last = module_span(nodes)
+        graphs = region_graphs(gm, nodes, kept, roots)
+        setattr(gm, name, CheckpointedRegion(
+            graphs.body, selective=region.mode == SELECTIVE, targets=graphs.targets,
+            forward=graphs.forward, recompute=graphs.recompute, random=region.random,
+            shield=graphs.shield))
+        _replace_with_call(gm, nodes, name, graphs.targets)
         records.append(RegionStats(name, nodes[0].name, nodes[-1].name, len(nodes), region.mode,
                                    round(region.extra_seconds * 1e3, 3), region.freed_bytes,
-                                   region.recompute_bytes))
+                                   region.recompute_bytes, module, first, last))
     return records
 
 
@@ -198,7 +250,8 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
             predicted, plan = found
             stats["budget_bytes"] = predicted
         else:
-            stats["reason"] = "no plan predicts less than the original"
+            stats["budget_bytes"] = peak  # the least reachable: the peak as it is
+            stats["reason"] = _why_nothing_lowers(estimate, bool(loss_calls))
     else:
         predicted, plan = search_plan(
             problem, target=target, unoptimized_peak=peak, predict=predict,

@@ -17,7 +17,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 import fxopt
-import models_zoo
+from fxopt import models_zoo
 from fxopt.analysis import (
     alias_classes,
     estimate_peak,

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fxopt
-import passes as pass_registry
+import fxopt.passes as pass_registry
 from fxopt.rewrite.pass_base import PassResult
 
 Pair = namedtuple("Pair", "main aux")

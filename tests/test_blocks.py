@@ -20,7 +20,7 @@ from fxopt.capture.trace import trace
 from fxopt.rewrite.blocks import META_KEY, keep_blocks
 from fxopt.runtime.input_guard import guard_inputs
 from fxopt.runtime.regions import CheckpointedRegion
-from models_zoo.transformer import TinyLanguageModel
+from fxopt.models_zoo.transformer import TinyLanguageModel
 
 transformers = pytest.importorskip("transformers")
 

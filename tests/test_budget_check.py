@@ -19,7 +19,7 @@ from fxopt.core.errors import BudgetError
 from fxopt.measure.peaks import measure_train_step
 from helpers import seeded
 
-checkpoint_pass = importlib.import_module("passes.checkpoint")  # the module, not the function
+checkpoint_pass = importlib.import_module("fxopt.passes.checkpoint")  # the module, not the function
 
 
 class Deep(nn.Module):

@@ -10,7 +10,7 @@ from torch import nn
 import fxopt
 from fxopt.capture.chain import capture
 from helpers import check_pass
-from passes.causal_attention import SDPA, causal_attention
+from fxopt.passes.causal_attention import SDPA, causal_attention
 
 B, T, C, H = 3, 8, 16, 2
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from fxopt.capture.trace import trace
 from fxopt.planning.checkpoint_problem import build_problem
-from passes.checkpoint import checkpoint
+from fxopt.passes.checkpoint import checkpoint
 
 
 class WritesInPlace(nn.Module):

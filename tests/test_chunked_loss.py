@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxopt
-import passes
+from fxopt import passes
 from fxopt.capture.chain import capture
 from fxopt.core.inputs import bind_keywords
 from fxopt.core.step import training_step
@@ -28,7 +28,7 @@ from fxopt.runtime.chunked_loss import (
     chunked_loss_and_logits,
     logits_unless_grad,
 )
-from passes.chunked_loss import chunked_loss
+from fxopt.passes.chunked_loss import chunked_loss
 from helpers import check_pass, seeded
 
 VOCAB, HIDDEN, BATCH, SEQ = 251, 16, 2, 15  # 30 tokens: chunks of 8 leave 6; 251 is prime

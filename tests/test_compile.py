@@ -37,7 +37,7 @@ from fxopt.core.torch_private import COMPILED_CALL, compile_backend
 from fxopt.measure.breakdown import memory_breakdown
 from fxopt.measure.timeline import training_timeline
 from fxopt.runtime.regions import CheckpointedRegion
-from models_zoo.transformer import TinyLanguageModel
+from fxopt.models_zoo.transformer import TinyLanguageModel
 
 GRAD_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 VOCAB, SEQ, BATCH = 64, 8, 2

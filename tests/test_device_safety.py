@@ -53,7 +53,7 @@ from fxopt.core.torch_private import FakeTensorMode, tree_leaves
 from fxopt.export import export, load_exported
 from fxopt.runtime.devices import tensor_device
 from fxopt.runtime.input_guard import InputGuard
-from models_zoo import registry
+from fxopt.models_zoo import registry
 
 FULL = os.environ.get("FXOPT_DEVICE_SAFETY_FULL") == "1"
 BUDGETS = (None, "min")
@@ -93,7 +93,7 @@ def _built(factory) -> nn.Module:
 
 def hf_case(name: str) -> tuple[nn.Module, tuple, dict]:
     transformers = pytest.importorskip("transformers")
-    from models_zoo import ecosystem
+    from fxopt.models_zoo import ecosystem
 
     if name == "gemma2":
         config = transformers.Gemma2Config(**ecosystem._LM, num_key_value_heads=2, head_dim=8,

@@ -15,7 +15,7 @@ import torch
 
 import fxopt
 from fxopt.core.trees import named_leaves, sketch
-from models_zoo import ecosystem
+from fxopt.models_zoo import ecosystem
 
 CASES = [
     ("hf_gpt2_lm", "min"),

@@ -13,7 +13,7 @@ from torch import nn
 
 import fxopt
 import fxopt.export.codegen
-import models_zoo
+from fxopt import models_zoo
 from fxopt.cli.targets import load_target
 from fxopt.export.writer import ExportBug, ExportError, export, load_exported
 

@@ -403,8 +403,8 @@ def test_a_users_checkpoint_is_refused_not_inlined(reentrant):
 
 
 def test_checkpoint_and_inplace_passes_on_the_captured_graph():
-    from passes.checkpoint import checkpoint
-    from passes.inplace_activations import inplace_activations
+    from fxopt.passes.checkpoint import checkpoint
+    from fxopt.passes.inplace_activations import inplace_activations
 
     torch.manual_seed(0)
     model = GPT()

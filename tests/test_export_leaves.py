@@ -12,7 +12,7 @@ from fxopt.capture.chain import capture
 from fxopt.graph.leaf_tape import leaf_records, opaque_leaves
 from fxopt.core.errors import TraceError
 from fxopt.core.inputs import check_inputs
-from models_zoo.leaves import olmoe_eager_experts
+from fxopt.models_zoo.leaves import olmoe_eager_experts
 
 
 class Branch(nn.Module):

@@ -53,10 +53,10 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import fxopt
-import passes as builtin_passes
+import fxopt.passes as builtin_passes
 from fxopt.bench.sharded import ShardedStep, live_storages, resident_bytes, shard_per_block
 from helpers import exit_passed_worker
-from models_zoo.transformer import TinyLanguageModel
+from fxopt.models_zoo.transformer import TinyLanguageModel
 
 transformers = pytest.importorskip("transformers")
 

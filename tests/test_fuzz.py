@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from random_models import NetSpec, Op, build, net_specs
 
 import fxopt
-import passes as pass_registry
+import fxopt.passes as pass_registry
 
 PROFILE = os.environ.get("FXOPT_HYPOTHESIS_PROFILE", "ci")
 # ci: about 45 s on 2 shared CPU cores (the budget is 90 s); other profiles: their own count,

@@ -11,7 +11,7 @@ from fxopt.capture.trace import trace
 from fxopt.graph.train_eval import eval_graph
 from fxopt.core.tensors import storage_key
 from fxopt.verify import verify
-from passes.inplace_activations import _TORCH_TO_INPLACE, PASS_NAME, inplace_activations
+from fxopt.passes.inplace_activations import _TORCH_TO_INPLACE, PASS_NAME, inplace_activations
 
 
 class ConvBnRelu(nn.Module):
@@ -279,7 +279,7 @@ def test_process_wide_module_hook_does_not_stop_the_rewrite():
 
 @pytest.mark.parametrize("name", ["odd_channel_cnn", "unet", "mnist_net", "mlp"])
 def test_zoo_models_verify_after_pass(name):
-    import models_zoo
+    from fxopt import models_zoo
 
     model, inputs = models_zoo.build(name)
     gm, result = check_pass(model, inputs, inplace_activations, expect_modified=True)
@@ -289,7 +289,7 @@ def test_zoo_models_verify_after_pass(name):
 
 
 def test_torchvision_resnet_already_inplace_is_unchanged():
-    import models_zoo
+    from fxopt import models_zoo
 
     model, inputs = models_zoo.build("resnet18")
     gm = trace(model, inputs)

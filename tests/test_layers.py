@@ -15,13 +15,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["runtime", "core", "graph", "capture", "analysis", "planning", "rewrite", "passes",
           "verify", "measure", "export", "api", "bench", "cli", "package"]
-API_MODULES = {"fxopt.api", "fxopt.check", "fxopt.testing"}
+API_MODULES = {"fxopt.api", "fxopt.check", "fxopt.testing", "fxopt.integrations"}
 
 
 def module_name(path: Path) -> str:
+    """The name a file imports as: ``passes/`` and ``models_zoo/`` lie beside ``fxopt/`` in the
+    repository and are ``fxopt.passes`` / ``fxopt.models_zoo`` (pyproject's package-dir)."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
+    if parts[0] in ("passes", "models_zoo"):
+        parts.insert(0, "fxopt")
     return ".".join(parts)
 
 
@@ -30,7 +34,7 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] == "passes":
         return "passes"
-    if parts[0] != "fxopt":
+    if parts[0] != "fxopt" or parts[1:2] == ["models_zoo"]:  # the zoo: models, no layer
         return None
     if module in API_MODULES or any(module.startswith(m + ".") for m in API_MODULES):
         return "api"
@@ -122,9 +126,13 @@ def test_the_check_catches_a_planted_upward_import():
     files = project_files()
     files["fxopt.core.planted"] = "from fxopt.planning.solver import plan_checkpoints\n"
     files["fxopt.runtime.planted"] = "import passes\n"
+    files["fxopt.capture.planted"] = "import fxopt.passes.checkpoint\n"
+    files["fxopt.core.planted_hf"] = "from fxopt.integrations.hf_trainer import x\n"
     problems = upward_imports(layer_edges(files))
     assert any("core (lower) imports planning (higher)" in p for p in problems)
     assert any("runtime (lower) imports passes (higher)" in p for p in problems)
+    assert any("capture (lower) imports passes (higher)" in p for p in problems)
+    assert any("core (lower) imports api (higher)" in p for p in problems)
     files["fxopt.planning.ok"] = "from ..core import errors\n"
     assert layer_edges({"fxopt.planning.ok": files["fxopt.planning.ok"]}) == {
         ("planning", "core"): ["fxopt.planning.ok imports fxopt.core"]}

@@ -21,7 +21,7 @@ from fxopt.capture.trace import trace
 from fxopt.core.errors import InputError
 from fxopt.planning.checkpoint_problem import build_problem
 from fxopt.runtime.regions import CheckpointedRegion
-from models_zoo.leaves import MOE_LEAVES, branchy_cnn, moe_transformer
+from fxopt.models_zoo.leaves import MOE_LEAVES, branchy_cnn, moe_transformer
 
 MODELS = {"branchy_cnn": (branchy_cnn, (), ("branch",)),
           "moe_transformer": (moe_transformer, MOE_LEAVES, MOE_LEAVES)}
@@ -263,7 +263,7 @@ def run_cli(argv, capsys):
 
 
 def test_cli_optimizes_the_branching_cnn_and_predicts_its_peaks(capsys):
-    code, out, err = run_cli(["optimize", "models_zoo.leaves:branchy_cnn", "--repeats", "1",
+    code, out, err = run_cli(["optimize", "fxopt.models_zoo.leaves:branchy_cnn", "--repeats", "1",
                               "--threads", "1"], capsys)
     assert code == 0, err
     assert "verification: equivalent" in out
@@ -275,7 +275,8 @@ def test_cli_optimizes_the_branching_cnn_and_predicts_its_peaks(capsys):
 
 def test_cli_leaf_modules_and_a_budget_on_the_moe_transformer(tmp_path, capsys):
     paths = ",".join(MOE_LEAVES)
-    code, out, err = run_cli(["optimize", "models_zoo.leaves:moe_transformer", "--leaf-modules",
+    code, out, err = run_cli(["optimize", "fxopt.models_zoo.leaves:moe_transformer",
+                              "--leaf-modules",
                               paths, "--memory-budget", "min", "--repeats", "1", "--threads", "1"],
                              capsys)
     assert code == 0, err
@@ -286,6 +287,6 @@ def test_cli_leaf_modules_and_a_budget_on_the_moe_transformer(tmp_path, capsys):
             if line.strip().startswith("train peak,")}
     assert rows["train peak, measured"][:4] == rows["train peak, predicted"][:4]
     with pytest.raises(SystemExit) as exit_:  # argparse's usage error
-        run_cli(["optimize", "models_zoo.leaves:moe_transformer", "--leaf-modules",
+        run_cli(["optimize", "fxopt.models_zoo.leaves:moe_transformer", "--leaf-modules",
                  "blocks.0.moe;rm"], capsys)
     assert exit_.value.code == 2 and "expected module paths" in capsys.readouterr().err

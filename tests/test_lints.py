@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import models_zoo
+from fxopt import models_zoo
 from fxopt.capture.trace import trace
 from fxopt.measure.advice import TIPS, run_lints
 

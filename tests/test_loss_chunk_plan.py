@@ -18,8 +18,8 @@ from fxopt.measure.peaks import measure_train_step
 from fxopt.planning.loss_chunks import FAST_CHUNK_ROWS, MIN_CHUNK_ROWS, widest_chunk_rows
 from fxopt.runtime.chunked_loss import auto_chunk_rows
 from fxopt.runtime.chunked_loss import chunked_loss as chunked_loss_call
-from passes.checkpoint import LossChunks, checkpoint
-from passes.chunked_loss import chunked_loss
+from fxopt.passes.checkpoint import LossChunks, checkpoint
+from fxopt.passes.chunked_loss import chunked_loss
 from helpers import seeded
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import fx
 
-import models_zoo
+from fxopt import models_zoo
 from fxopt.core.errors import InputError
 from fxopt.core.step import training_step
 

@@ -14,7 +14,7 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 import fxopt
-import models_zoo
+from fxopt import models_zoo
 from fxopt.capture.trace import trace
 from fxopt.core.errors import ConfigError
 from fxopt.planning.pad_plan import memory_order, plan_padding
@@ -27,7 +27,7 @@ from fxopt.planning.pad_policy import (
     time_case,
 )
 from fxopt.verify.equivalence import verify
-from passes.pad_channels import pad_channels
+from fxopt.passes.pad_channels import pad_channels
 
 FORCED = {"force": True}
 
@@ -479,7 +479,7 @@ def test_default_policy_is_a_quick_no_op_on_cpu(monkeypatch):
             raise AssertionError(f"the CPU default called {name}")
         return fail
 
-    module = importlib.import_module("passes.pad_channels")  # the name is also the function's
+    module = importlib.import_module("fxopt.passes.pad_channels")  # the name is also the function's
     for name in ("plan_padding", "default_decider"):
         monkeypatch.setattr(module, name, refused(name))
     monkeypatch.setattr("fxopt.planning.pad_policy.time_case", refused("time_case"))
@@ -640,7 +640,7 @@ def test_time_case_runs_forward_and_backward_on_cpu():
 
 
 def test_registered_first_with_alias_and_bad_options_are_config_errors():
-    from passes import REGISTRY
+    from fxopt.passes import REGISTRY
 
     assert REGISTRY.canonical_order()[0] == "pad_channels"
     assert REGISTRY.lookup("pad").name == "pad_channels"

@@ -149,7 +149,7 @@ def test_the_pipeline_names_no_pass():
     of the built-in passes."""
     import inspect
 
-    import passes
+    from fxopt import passes
     from fxopt.rewrite import pipeline
     source = inspect.getsource(pipeline)
     named = [spec.name for spec in passes.REGISTRY if f'"{spec.name}"' in source

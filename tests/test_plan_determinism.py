@@ -23,8 +23,8 @@ sys.path.insert(0, {tests!r})
 from test_export_frontend import GPT, VOCAB
 from fxopt.capture.export_frontend import capture_with_export
 from fxopt.planning.checkpoint_problem import build_problem
-from passes.checkpoint import checkpoint
-from passes.inplace_activations import inplace_activations
+from fxopt.passes.checkpoint import checkpoint
+from fxopt.passes.inplace_activations import inplace_activations
 
 torch.manual_seed(0)
 model = GPT()

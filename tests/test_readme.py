@@ -343,7 +343,7 @@ def test_every_file_and_test_the_docs_and_docstrings_name_exists():
 
 def test_measure_is_documented_and_has_a_readable_form():
     import fxopt
-    import models_zoo
+    from fxopt import models_zoo
 
     doc = fxopt.measure.__doc__
     assert "Returns a ``MemoryReport``" in doc and "print(report)" in doc and "CUDA" in doc

@@ -9,7 +9,7 @@ from fxopt.capture.trace import trace
 from fxopt.measure.peaks import measure_inference, measure_train_step
 from fxopt.planning.schedule import candidate_orders, dependencies, static_peak
 from fxopt.verify.equivalence import verify
-from passes.reorder import reorder
+from fxopt.passes.reorder import reorder
 
 
 class TwoBranches(nn.Module):

@@ -65,7 +65,7 @@ def test_the_report_prints_typed_pass_stats_it_knows_nothing_about():
     checkpoint pass (the report names no pass and reads no key)."""
     from dataclasses import dataclass
 
-    import passes
+    from fxopt import passes
     from fxopt.rewrite.pass_base import PassResult, StatsItem
     from fxopt.rewrite.registry import PassSpec
 

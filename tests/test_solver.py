@@ -14,8 +14,10 @@ from fxopt.planning.solver import (
     Region,
     _arc,
     _region_allowed,
+    _selective_allowed,
     atom_starts,
     block_plan,
+    make_region,
     modelled_bytes,
     plan_checkpoints,
 )
@@ -104,7 +106,7 @@ def test_solver_work_on_resnet152_sized_graph(monkeypatch):
     fails on a loaded machine, and a count does not depend on it): each solve keeps a few DP
     states per atom boundary (the pending values it tracks stay few), relaxes the arcs of each,
     and runs at most twice (once more to absorb the exact union count)."""
-    import models_zoo
+    from fxopt import models_zoo
     from fxopt.capture.trace import trace
     from fxopt.planning import solver
     from fxopt.planning.checkpoint_problem import build_problem
@@ -208,7 +210,7 @@ def test_a_budget_above_one_that_is_met_is_met_too():
     memory levels spanned the whole budget, too coarse for the few MB that decide: 0.5 was
     refused (four re-solves over the same over-budget plan) while 0.45 was met; resnet152 the
     same at 0.65 and 0.5."""
-    import models_zoo
+    from fxopt import models_zoo
     from fxopt.capture.trace import trace
     from fxopt.planning.checkpoint_problem import build_problem
 
@@ -223,3 +225,48 @@ def test_a_budget_above_one_that_is_met_is_met_too():
         met.append(plan is not None)
     assert met == sorted(met, reverse=True), met  # met, ..., met, refused, ..., refused
     assert sum(met) >= 12
+
+
+def test_a_selective_region_keeps_heavy_nodes_that_draw_no_random_numbers_and_write_nothing():
+    """What a selective region keeps is the plan's (``Region.kept``): heavy nodes, but not one
+    drawing random numbers (skipping it in the recomputation would shift the numbers drawn after
+    it) nor one writing in place (the write would not happen again)."""
+    nodes = [NodeInfo("mm", 5.0, heavy=True, reads=frozenset({"x"})),
+             NodeInfo("act", 1.0, saved=frozenset({"mm"}), reads=frozenset({"mm"})),
+             NodeInfo("attn", 5.0, heavy=True, random=True, saved=frozenset({"act"}),
+                      reads=frozenset({"act"})),
+             NodeInfo("act2", 1.0, saved=frozenset({"attn"}), reads=frozenset({"attn"}))]
+    problem = CheckpointProblem(nodes, {"x": 10, "mm": 100, "act": 100, "attn": 100, "act2": 100})
+    assert [n.keepable for n in nodes] == [True, False, False, False]
+    region = make_region(problem, 0, 4, SELECTIVE, 1.0, 0, 0)
+    assert region.kept == (0,) and region.random
+    assert make_region(problem, 0, 2, FULL, 1.0, 0, 0).kept == ()
+    assert not make_region(problem, 0, 2, SELECTIVE, 1.0, 0, 0).random
+    # the random heavy node is recomputed: its time counts, its output is not kept
+    arc = _arc(problem, 0, 4, SELECTIVE)
+    assert arc.keeps == {"x", "mm"}
+    assert arc.seconds == pytest.approx(1.0 + 5.0 + 1.0 + problem.region_seconds)
+    assert not _selective_allowed(nodes[2:])
+
+
+def test_dear_region_calls_plan_fewer_larger_regions():
+    """Each region costs ``region_seconds`` beyond its nodes (measured on the device: a call's
+    bookkeeping in forward and backward). Two regions or one spanning both recompute the same
+    nodes; when calls are dear the solver takes the one region."""
+    problem = chain(6, random.Random(3))
+    budget = modelled_bytes(problem, CheckpointPlan(regions=[
+        Region(0, 9, FULL, 0.0, 0), Region(9, 18, FULL, 0.0, 0)]))
+    cheap = plan_checkpoints(problem, budget, buckets=8192)
+    problem.region_seconds = 1e3
+    dear = plan_checkpoints(problem, budget, buckets=8192)
+    assert cheap is not None and dear is not None
+    assert len(dear.regions) < len(cheap.regions)
+    assert dear.extra_seconds >= 1e3 * len(dear.regions)
+
+
+def test_per_saved_tensor_cost_counts_the_recomputed_nodes_saved_tensors():
+    problem = chain(2, random.Random(0))
+    base = _arc(problem, 0, 6, FULL).seconds
+    problem.saved_seconds = 1.0
+    saved = sum(len(n.saved) + bool(n.internal_bytes) for n in problem.nodes[0:6])
+    assert _arc(problem, 0, 6, FULL).seconds == pytest.approx(base + saved)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-import passes as registry
+import fxopt.passes as registry
 from fxopt.check import SCHEMA, check_equivalence, random_inputs_like
 from fxopt.core.errors import ConfigError
 from fxopt.rewrite.pass_base import PassResult, mark_new

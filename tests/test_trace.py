@@ -360,8 +360,8 @@ def test_a_users_code_under_a_folder_named_fxopt_is_still_the_users(tmp_path):
     user's project (or a clone of fxopt, whose tests are user code) may sit under .../fxopt/."""
     import importlib.util
 
-    import models_zoo
-    import passes
+    from fxopt import models_zoo
+    from fxopt import passes
     import torchvision
 
     import fxopt

@@ -10,7 +10,8 @@ turns a rounding difference in a near-zero gradient into an update of up to ``lr
 lr 1e-2). Anything the optimized module does against itself (resuming, reloading) is bit-exact.
 ``verify=False`` when optimizing: these comparisons with the original are the check.
 
-What a trainer reads off the model is ``fxopt.core.pretrained``'s DELEGATED and REFUSED lists.
+What a trainer reads off the model is ``fxopt.integrations.hf_trainer``'s DELEGATED and REFUSED
+lists.
 """
 
 import copy
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 import fxopt
-from fxopt.core.pretrained import (
+from fxopt.integrations.hf_trainer import (
     DELEGATED,
     REFUSED,
     PretrainedInterface,

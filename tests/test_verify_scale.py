@@ -35,7 +35,7 @@ from fxopt.rewrite.pass_base import PassResult
 from fxopt.rewrite.registry import PassSpec
 from fxopt.verify.equivalence import verify
 from fxopt.verify.tensor_diff import DEFAULT_TOLERANCES, SCALE_ULPS
-from passes import REGISTRY
+from fxopt.passes import REGISTRY
 
 EPS32 = torch.finfo(torch.float32).eps
 

@@ -91,3 +91,21 @@ def block_parameter_names(root: nn.Module, graph: fx.Graph) -> frozenset[str]:
     paths = {b for b in node_blocks(root, graph).values() if b is not None}
     return frozenset(f"{path}.{name}" for path in paths
                      for name, _ in root.get_submodule(path).named_parameters())
+
+
+def module_span(nodes: list[fx.Node]) -> tuple[str, str, str]:
+    """Where ``nodes`` run, as a user names their model: ``(module, first, last)``, the deepest
+    module every node with a recorded module stack runs in (``"model.layers.3"``; ``""``: the
+    root) and the innermost module of the first and of the last such node
+    (``"model.layers.3.self_attn.q_proj"``, ``"model.layers.3.mlp.down_proj"``). All ``""``
+    when no node has a module stack (nodes a pass made)."""
+    stacks = [[path for path, _ in meta_keys.module_stack(n)] for n in nodes]
+    stacks = [s for s in stacks if s]
+    if not stacks:
+        return "", "", ""
+    common: list[str] = []
+    for level in zip(*stacks):
+        if any(path != level[0] for path in level):
+            break
+        common.append(level[0])
+    return (common[-1] if common else ""), stacks[0][-1], stacks[-1][-1]

@@ -34,7 +34,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxopt.analysis.node_timing import forward_seconds
+from fxopt.analysis.node_timing import forward_seconds, region_overhead
 from fxopt.graph.meta import propagate_meta
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.tensors import graph_device, tensor_bytes
@@ -48,17 +48,21 @@ class NodeCost:
     bytes: int
     seconds: float
     heavy: bool = False
+    random: bool = False  # an op drawing from the RNG ran inside it (dropout, in training)
 
 
 class _HeavyOpSeen(TorchDispatchMode):
-    """Records whether any op selective recomputation keeps ran while it was active."""
+    """Records whether any op selective recomputation keeps ran while it was active, and any op
+    that draws random numbers (ATen's ``nondeterministic_seeded`` tag)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen = False
+        self.random = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         self.seen = self.seen or is_heavy(func)
+        self.random = self.random or torch.Tag.nondeterministic_seeded in func.tags
         return func(*args, **(kwargs or {}))
 
 
@@ -98,6 +102,25 @@ def device_rates(device: str = "cpu") -> tuple[float, float]:
     return flops, bandwidth
 
 
+# (seconds per region call, seconds per tensor its recomputed nodes save) when nothing is measured
+# (``profile=False``): what ``region_overhead`` measured on this project's CPU, and the same host
+# bookkeeping plus kernel launches on a GPU.
+NOMINAL_REGION_COSTS = {"cpu": (2.5e-5, 5e-6), "cuda": (5e-5, 5e-6)}
+
+
+def region_costs(gm: fx.GraphModule, *, profile: bool = True) -> tuple[float, float]:
+    """What a checkpointed region costs beyond recomputing its nodes, on ``gm``'s device:
+    (seconds per call, seconds per tensor its recomputed nodes save). Measured there once per
+    process (``fxopt.analysis.node_timing.region_overhead``); ``NOMINAL_REGION_COSTS`` with
+    ``profile=False`` or where nothing can run (the meta device). The planner adds it to every
+    region, so where a call costs more (a GPU at small sizes) it plans fewer, larger regions."""
+    device = graph_device(gm)
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    if not profile or device.type not in ("cpu", "cuda"):
+        return NOMINAL_REGION_COSTS[kind]
+    return region_overhead(str(device))
+
+
 def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, NodeCost]:
     """Forward cost of every call node (placeholders, get_attr and output cost nothing).
 
@@ -106,6 +129,7 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
     """
     flops: dict[fx.Node, int] = {}
     heavy: dict[fx.Node, bool] = {}
+    random: dict[fx.Node, bool] = {}
 
     @contextlib.contextmanager
     def count(node: fx.Node) -> Iterator[None]:
@@ -114,6 +138,7 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
             yield
         flops[node] = counter.get_total_flops()
         heavy[node] = seen.seen
+        random[node] = seen.random
 
     propagate_meta(gm, placeholder_values(gm), around_node=count)
     device = "cuda" if graph_device(gm).type == "cuda" else "cpu"
@@ -127,5 +152,6 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
             node.meta.get("val"))
         f = flops.get(node, 0)
         roofline = roofline_seconds(f, moved, rates)
-        costs[node] = NodeCost(f, moved, measured.get(node, roofline), heavy.get(node, False))
+        costs[node] = NodeCost(f, moved, measured.get(node, roofline), heavy.get(node, False),
+                               random.get(node, False))
     return costs

@@ -17,10 +17,16 @@ rate, so the planner paid for recomputation it thought cheap. Costs one or two f
 
 Not handled: ops whose time depends on input values (a sort, data-dependent leaves): the random
 inputs stand in for real ones.
+
+``region_overhead(device)`` measures, once per process, what a checkpointed region costs on the
+device beyond the forward time of what it recomputes: a per-call part and a part per saved tensor
+(the planner's per-region cost, ``fxopt.analysis.costmodel.region_costs``).
 """
 
 from __future__ import annotations
 
+import functools
+import statistics
 import time
 from typing import Any
 
@@ -32,6 +38,7 @@ from fxopt.core.graphs import placeholder_values
 from fxopt.core.state import preserved_state
 from fxopt.core.tensors import graph_device, random_like, tensors_in
 from fxopt.core.torch_private import tree_map_only
+from fxopt.runtime.regions import CheckpointedRegion
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -75,3 +82,61 @@ def forward_seconds(gm: fx.GraphModule, *, runs: int = 2) -> dict[fx.Node, float
     except Exception:  # noqa: BLE001 -- any failure means: no profile, use the roofline
         return {}
     return seconds
+
+
+class _Chain(torch.nn.Module):
+    """``length`` sines in a row: a region of cheap nodes that each save one tensor."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.length = length
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.length):
+            x = torch.sin(x)
+        return x
+
+
+@functools.cache
+def region_overhead(device: str = "cpu", rounds: int = 60) -> tuple[float, float]:
+    """(seconds a checkpointed region costs per call, seconds per tensor its recomputed nodes
+    save) beyond the forward time of the nodes it recomputes, measured on ``device``: what the
+    planner adds to a region's recompute time (``CheckpointProblem.region_seconds`` and
+    ``saved_seconds``).
+
+    Training steps of a chain of 1 and of 9 sines on an 8-element tensor, run plainly and as a
+    region (``fxopt.runtime.regions.CheckpointedRegion``), alternated, with the chain's no-grad
+    forward: a region's extra time minus that forward, per call (the fixed part) and per node
+    (each sine saves one tensor). Medians of ``rounds`` rounds; the device is synchronised around
+    each step. Measured once per process and device."""
+    dev = torch.device(device)
+    x = torch.randn(8, device=dev, requires_grad=True)
+    cuda = dev.type == "cuda"
+
+    def timed(step: Any) -> float:
+        if cuda:
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - start
+
+    extra = {}
+    for length in (1, 9):
+        body = fx.symbolic_trace(_Chain(length))
+        region = CheckpointedRegion(body, selective=False, targets=(), recompute=body,
+                                    random=False, shield=False)
+        arms = {"plain": lambda: body(x).sum().backward(),
+                "region": lambda: region(x).sum().backward()}
+        samples: dict[str, list[float]] = {"plain": [], "region": [], "forward": []}
+        for _ in range(rounds + 1):  # the first round warms up
+            for name, step in arms.items():
+                samples[name].append(timed(step))
+            with torch.no_grad():
+                samples["forward"].append(timed(lambda: body(x)))
+        x.grad = None
+        medians = {k: statistics.median(v[1:]) for k, v in samples.items()}
+        extra[length] = max(0.0, medians["region"] - medians["plain"] - medians["forward"])
+    per_saved = max(0.0, (extra[9] - extra[1]) / 8)
+    return max(0.0, extra[1] - per_saved), per_saved

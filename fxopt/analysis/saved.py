@@ -20,9 +20,10 @@ BatchNorm its input plus mean/invstd, dropout a mask, max-pool indices; anything
 to save its tensor inputs. Its output is rebuilt from ``meta["val"]``.
 
 Not handled: tensors saved through ``ctx.foo = x`` in a custom autograd Function (not packed,
-invisible to hooks). A region checkpointed with ``torch.utils.checkpoint`` installs its own hooks
-inside the node, so its node reports only what reaches ours: the region's inputs and, for
-selective checkpointing, the results it keeps (as internal bytes).
+invisible to hooks). A checkpointed region (``fxopt.runtime.regions``) installs its own hooks
+inside the node, so its node reports only what reaches ours: the region's inputs and, for a
+selective region, the outputs it keeps (as internal bytes), which it saves for backward as
+autograd saves any tensor.
 
 The pack hooks here (and in ``fxopt.analysis.leaf_runs``, ``fxopt.planning.inplace``) keep and
 give autograd ``t.detach()``, never ``t`` itself. Autograd holds each saved tensor's pack hook

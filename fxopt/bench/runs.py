@@ -5,10 +5,13 @@ optimized module, and each peer of ``fxopt.bench.peers`` at the same budget -- a
 
 - checks it against the original with ``fxopt.verify`` (outputs, gradients, buffers): a peer that
   updates BatchNorm statistics twice or replays dropout differently is reported, not hidden;
-- measures the peak of one training step with ``fxopt.measure.allocations`` (allocator level: the
-  one method that also sees inside compiled graphs). ``train_peak_bytes`` is the whole step:
-  the baseline of parameters, buffers and inputs plus the step's peak above it
-  (``PEAK_DEFINITION``, as ``fxopt optimize`` reports its peaks);
+- measures the peak of one training step with ``fxopt.measure_train_step``, as ``fxopt optimize``
+  and ``fxopt.measure`` do (one definition: exact storage tracking on CPU, the caching allocator
+  on CUDA, and for compiled code, such as the ``torch.compile`` peer, the allocator after a
+  warm-up call). ``train_peak_bytes`` is the whole step: the baseline of parameters, buffers and
+  inputs plus the step's peak above it (``PEAK_DEFINITION``);
+- shows a variant that cannot be built, checked, measured or timed as a row whose note says why:
+  one failing peer never stops the others;
 - times training steps of *all* variants in one run, the order rotating each round
   (``fxopt.bench.spread``), so every median sees the same stretch of machine noise and every
   ``time_ratio`` is the row's median over the original row's median, as printed.
@@ -33,12 +36,8 @@ from fxopt.bench.before_after import PEAK_DEFINITION, format_ms
 from fxopt.bench.peers import PEERS, build_peer
 from fxopt.bench.spread import StepTimes, TimeChange, alternated_step_times
 from fxopt.core.errors import FxoptError
-from fxopt.core.state import preserved_state
-from fxopt.core.step import as_args, training_step
-from fxopt.core.tensors import module_device, storage_bytes
-from fxopt.measure.allocations import peak_allocated_during
-from fxopt.measure.peaks import format_bytes
-from fxopt.measure.timing import fresh_training_step
+from fxopt.core.step import as_args
+from fxopt.measure.peaks import format_bytes, measure_train_step
 from fxopt.planning.budget import (
     activation_bytes,
     budget_fraction,
@@ -70,26 +69,18 @@ class BenchRow:
 
 
 def step_peak_bytes(module: nn.Module, inputs: tuple) -> int:
-    """Allocator-level peak of one training step above what was allocated before it (parameters,
-    buffers and inputs are not in it: ``train_peak_bytes`` adds them)."""
-    device = module_device(module, inputs)
-    with preserved_state(module):
-        module.train()
-        fresh_training_step(module, inputs)  # warm-up: compiles, and builds lazily-created state
-        for p in module.parameters():
-            p.grad = None
-        return peak_allocated_during(lambda: training_step(module, inputs), device)
-
-
-def baseline_bytes(module: nn.Module, inputs: tuple) -> int:
-    """Parameters, buffers and inputs, each storage once: what is alive before a step."""
-    return storage_bytes((list(module.parameters()), list(module.buffers()), inputs))
+    """Peak of one training step above what was allocated before it (parameters, buffers and
+    inputs are not in it: ``train_peak_bytes`` adds them), as ``fxopt.measure`` measures it."""
+    return measure_train_step(module, inputs).step_peak_bytes
 
 
 def train_peak_bytes(module: nn.Module, inputs: tuple) -> tuple[int, int]:
-    """``(whole-step peak, baseline)``: the step's allocator-level peak plus the baseline."""
-    baseline = baseline_bytes(module, inputs)
-    return baseline + step_peak_bytes(module, inputs), baseline
+    """``(whole-step peak, baseline)`` of one training step: ``fxopt.measure_train_step``'s
+    ``peak_bytes`` and ``baseline_bytes``, the figures ``fxopt optimize`` and ``fxopt.measure``
+    report (one definition: exact storage tracking on CPU, the caching allocator on CUDA, the
+    allocator after a warm-up call for compiled code)."""
+    figure = measure_train_step(module, inputs)
+    return figure.peak_bytes, figure.baseline_bytes
 
 
 def _equivalence(model: nn.Module, variant: nn.Module, inputs: tuple) -> tuple[bool, str]:
@@ -175,27 +166,66 @@ def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_b
     for name, build in builders:
         variants.append(_built(name, build, model, inputs))
         tick(name)
-    timed = [v for v in variants if v.module is not None]
-    samples = dict(zip((v.name for v in timed),
-                       alternated_step_times([v.module for v in timed], inputs, repeats)))
+    samples = _step_times(variants, inputs, repeats)
     tick("timing")
     return [_row(v, original, samples.get(v.name), samples["original"]) for v in variants]
+
+
+def _step_times(variants: list[_Variant], inputs: tuple, repeats: int) -> dict[str, StepTimes]:
+    """Step times of every variant that can be timed, alternated in one run; a variant whose
+    step fails while timed is timed no more, and its note says why."""
+    timed = [v for v in variants if v.module is not None]
+    while True:
+        try:
+            times = alternated_step_times([v.module for v in timed], inputs, repeats)
+            return dict(zip((v.name for v in timed), times))
+        except Exception as error:  # which variant? time each alone once, to drop the failing
+            failing = next((v for v in timed[1:] if _fails_a_step(v.module, inputs)), None)
+            if failing is None:
+                raise
+            failing.note = "; ".join(filter(None, [failing.note, "timing failed: "
+                                                   + _reason(error)]))
+            timed.remove(failing)
+
+
+def _fails_a_step(module: nn.Module, inputs: tuple) -> bool:
+    try:
+        alternated_step_times([module], inputs, 1)
+    except Exception:
+        return True
+    return False
+
+
+def _reason(error: BaseException) -> str:
+    """One line: what went wrong, for a row's note."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, FxoptError):
+        return first
+    return f"{type(error).__name__}: {first}"[:300]
 
 
 def _built(name: str, build: Callable[[], tuple[nn.Module | None, str]], model: nn.Module,
            inputs: tuple) -> _Variant:
     """A variant built, checked against the original and its peak measured; ``module`` None
-    when it cannot be built for this model (``note`` says why)."""
+    when it cannot be built, checked or measured for this model (``note`` says why). fxopt's own
+    row lets anything but an fxopt error through (a bug); a peer's failure of any kind is its
+    row: one peer never stops the benchmark (checkpoint_sequential fails on a model whose
+    in-place activations its recomputation trips over, as mobilenet_v2's ReLU6)."""
+    errors = FxoptError if name == "fxopt" else Exception
     try:
         module, note = build()
-    except FxoptError as error:
-        module, note = None, str(error).splitlines()[0]
+    except errors as error:
+        return _Variant(name, None, f"failed to build: {_reason(error)}")
     variant = _Variant(name, module, note)
     if module is None:
         return variant
-    equal, why = (True, "") if name == "fxopt" else _equivalence(model, module, inputs)
-    variant.equivalent, variant.note = equal, "; ".join(filter(None, [note, why]))
-    variant.peak, variant.baseline = train_peak_bytes(module, inputs)
+    try:
+        equal, why = (True, "") if name == "fxopt" else _equivalence(model, module, inputs)
+        variant.equivalent, variant.note = equal, "; ".join(filter(None, [note, why]))
+        variant.peak, variant.baseline = train_peak_bytes(module, inputs)
+    except errors as error:
+        variant.module, variant.equivalent = None, None
+        variant.note = "; ".join(filter(None, [note, f"failed: {_reason(error)}"]))
     return variant
 
 
@@ -219,7 +249,8 @@ def format_table(rows: list[BenchRow], device: str | None = None) -> str:
                      f"{ratio:>8}  {equal:<6} {row.note}")
     where = device or ("cuda " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     samples = next((r.step_samples for r in rows if r.step_samples), None)
-    lines.append(f"(device: {where}; train peak: {PEAK_DEFINITION}, allocator level;")
+    lines.append(f"(device: {where}; train peak: {PEAK_DEFINITION}, as fxopt.measure and "
+                 "fxopt optimize measure it;")
     lines.append(f" step ms: {samples or 'n/a'} training steps of every variant, alternated in "
                  "one run; x orig: the row's figure over the original's)")
     if any(row.time_within_noise for row in rows):

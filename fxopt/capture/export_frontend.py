@@ -123,6 +123,7 @@ from fxopt.capture.trace import LeafFallback, TraceInfo
 from fxopt.graph.graphs import graph_module_like
 from fxopt.capture.trace_checks import (
     UserCheckpoint,
+    in_words,
     propagate_meta_explained,
     user_checkpoints_refused,
     user_frame,
@@ -285,7 +286,6 @@ def _output_error(model: nn.Module, unsupported: Unsupported) -> TraceError:
 
 def _trace_error(model: nn.Module, error: BaseException, mode: str) -> TraceError:
     text = str(error).strip()
-    first = text.splitlines()[0] if text else ""
     name = type(error).__name__
     if "data" in name.lower() or "data-dependent" in text or "DataDependent" in text:
         # Not "use capture='fx'": a submodule export fails in is kept opaque here already
@@ -300,7 +300,7 @@ def _trace_error(model: nn.Module, error: BaseException, mode: str) -> TraceErro
         hint = ("use fxopt.trace(model, inputs) (symbolic tracing, with opaque-leaf fallback), or "
                 "run torch.export.draft_export(model, args, kwargs) to list every problem")
     return TraceError(f"torch.export cannot capture {type(model).__name__}.forward in {mode} "
-                      f"mode: {name}: {first}", where=user_frame(error), hint=hint)
+                      f"mode: {in_words(error)}", where=user_frame(error), hint=hint)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from fxopt.capture.leaf_recording import record_leaf_runs
 from fxopt.capture.trace_checks import (
     check_state_kept,
     propagate_meta_explained,
+    in_words,
     root_failure_hint,
     user_checkpoints_refused,
     user_frame,
@@ -205,16 +206,14 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
             path = getattr(error, "_fxopt_failed_module", "")
             if not path or path in forced:
                 raise TraceError(
-                    f"torch.fx cannot trace {type(model).__name__}.forward: "
-                    f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                    f"torch.fx cannot trace {type(model).__name__}.forward: {in_words(error)}",
                     where=f"{path or '<root>'} at {user_frame(error)}",
                     hint=root_failure_hint(error, model),
                 ) from error
             forced.add(path)
             info.leaves.append(LeafFallback(
                 path, type(shell.get_submodule(path)).__name__,
-                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} "
-                f"({user_frame(error)})",
+                f"{in_words(error)} ({user_frame(error)})",
             ))
     info.leaves.extend(
         LeafFallback(path, type(module).__name__,

@@ -31,14 +31,16 @@ from fxopt.core.modules import own_tensors
 from fxopt.core.state import preserved_state
 from fxopt.core.torch_private import checkpoint_calls_refused
 
-# The top-level packages whose frames are fxopt's machinery. ``models_zoo`` (also installed by
-# fxopt) is not among them: its forwards are model code, whose lines a user wants named.
-_OWN_PACKAGES = ("fxopt", "passes")
+# The packages whose frames are fxopt's machinery (``fxopt.passes`` lies beside ``fxopt/`` in a
+# source tree). ``fxopt.models_zoo`` is not among them: its forwards are model code, whose lines
+# a user wants named, even where it is installed inside fxopt's folder.
+_OWN_PACKAGES = ("fxopt", "fxopt.passes")
+_MODEL_PACKAGES = ("fxopt.models_zoo",)
 _FRAME_LINE = re.compile(r'File "(?P<path>[^"]+)", line \d+')
 
 
 def _package_dir(name: str) -> str | None:
-    """The real directory of the top-level package ``name`` (the one ``import name`` gives),
+    """The real directory of the package ``name`` (the one ``import name`` gives),
     with a trailing separator; None where it is not installed. Found without importing it."""
     module = sys.modules.get(name)
     file = getattr(module, "__file__", None)
@@ -60,6 +62,12 @@ def _not_user_dirs() -> tuple[str, ...]:
     return tuple(d for d in dirs if d is not None)
 
 
+@functools.cache
+def _model_dirs() -> tuple[str, ...]:
+    dirs = (_package_dir(name) for name in _MODEL_PACKAGES)
+    return tuple(d for d in dirs if d is not None)
+
+
 def is_user_file(filename: str) -> bool:
     """Whether a traceback frame's file is the user's: outside torch and fxopt's own packages.
     Generated code (``<eval_with_key>.3``, ``<string>``) counts as the user's, as before."""
@@ -67,7 +75,7 @@ def is_user_file(filename: str) -> bool:
         real = str(Path(filename).resolve())
     except (OSError, RuntimeError):
         real = os.path.abspath(filename)
-    return not real.startswith(_not_user_dirs())
+    return real.startswith(_model_dirs()) or not real.startswith(_not_user_dirs())
 
 
 def user_frame(error: BaseException) -> str:
@@ -118,6 +126,33 @@ def has_checkpointed_regions(model: nn.Module) -> bool:
     graph = getattr(model, "graph", None)
     return isinstance(graph, fx.Graph) and any(
         getattr(n.target, "__name__", "") == "call_region" for n in graph.nodes)
+
+
+_RELATIONS = {"Eq": "==", "Ne": "!=", "Lt": "<", "Le": "<=", "Gt": ">", "Ge": ">="}
+_GUARD = re.compile(r"\b(Eq|Ne|Lt|Le|Gt|Ge)\(\s*([us]\d+)\s*,\s*([^()]+?)\s*\)")
+
+
+def in_words(error: BaseException) -> str:
+    """``Type: first line`` of a torch error, with torch's internals said in words: symbolic
+    tracing's ``co_varnames is too small`` (a forward wrapped in a ``*args, **kwargs``
+    decorator), and torch.export's guards on data-dependent symbols (``Eq(u0, 1)``, ``expression
+    u0 (unhinted: u0)``: a value read from a tensor's data, compared with 1 or used as an int)."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    if "co_varnames" in first:
+        return ("forward is wrapped in a decorator taking (*args, **kwargs), whose signature "
+                "symbolic tracing cannot rebuild")
+    if ("data-dependent" in first or "data dependent" in first
+            or "DataDependent" in type(error).__name__):
+        guard = _GUARD.search(first)
+        if guard:
+            relation, symbol, other = guard.groups()
+            what = f"compares a value read from a tensor's data ({_RELATIONS[relation]} {other})"
+        else:
+            what = "reads a value from a tensor's data (.item(), int(tensor), if tensor)"
+        return (f"forward {what} and uses it where a graph needs it fixed: which code runs "
+                "depends on the data")
+    return f"{type(error).__name__}: {first}"
 
 
 def root_failure_hint(error: BaseException, model: nn.Module) -> str:

@@ -180,6 +180,11 @@ def _common(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
                         help="a torch.optim optimizer (adamw, sgd, ...) your training fuses into "
                              "backward with fxopt.fuse_optimizer: memory is planned and "
                              "predicted with each gradient freed at its step")
+    parser.add_argument("--progress", action="store_true",
+                        help="tell each phase (capture, predict, each pass, verify, measure) and "
+                             "its time on stderr even when it is not a terminal (on a terminal, "
+                             "a status line shows them anyway; FXOPT_PROGRESS=1 does the same, "
+                             "FXOPT_PROGRESS=0 silences it)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
 
 
@@ -273,15 +278,40 @@ def _describe_inputs(inputs: tuple) -> list[Any]:
     return [list(t.shape) if hasattr(t, "shape") else repr(t) for t in inputs]
 
 
+def _check_writable(out: str) -> None:
+    """Refuse an ``--out`` that cannot be written before any work, so that a long run is never
+    lost at its end: a file in its place or on its path, or a folder that takes no files."""
+    import os
+    import tempfile
+
+    from fxopt.core.errors import InputError
+
+    path = Path(out).absolute()
+    hint = "give a folder to export to (new, or one to add the export to) that you can write"
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--out {out} is a file, not a folder", where="--out", hint=hint)
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"--out {out} cannot be made: {existing} is a file", where="--out",
+                         hint=hint)
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".fxopt-write-check-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise InputError(f"--out {out} cannot be written: {error.strerror or error} in "
+                         f"{existing}", where="--out", hint=hint) from None
+
+
 def _optimize(args: argparse.Namespace) -> int:
     from fxopt.api import optimize
     from fxopt.bench.before_after import before_after
     from fxopt.export.writer import export
 
-    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        from fxopt.core.errors import InputError
-        raise InputError(f"--out {args.out} is a file, not a folder", where="--out",
-                         hint="give a folder to export to (new, or one to add the export to)")
+    if args.out:
+        _check_writable(args.out)
     model, inputs = _load(args)
     progress = _progress("fxopt optimize")
     steps = 3 if args.out else 2
@@ -317,7 +347,7 @@ def _optimize(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from fxopt.api import optimize
     from fxopt.capture.chain import capture
-    from fxopt.measure.advice import run_lints
+    from fxopt.measure.advice import grouped, run_lints
     from fxopt.measure.breakdown import memory_breakdown
     from fxopt.measure.plot import missing_matplotlib, plot_timelines
     from fxopt.measure.timeline import training_timeline
@@ -335,8 +365,10 @@ def _report(args: argparse.Namespace) -> int:
     if not args.json:
         progress.close()
         print(breakdown.format(top=args.top))
-        print(f"lints ({len(lints)}):" if lints else "lints: none")
-        for lint in lints:
+        shown = grouped(lints)  # one entry for what many layers share
+        groups = f" in {len(shown)} groups" if len(shown) < len(lints) else ""
+        print(f"lints ({len(lints)}{groups}):" if lints else "lints: none")
+        for lint in shown:
             print("  " + str(lint).replace("\n", "\n  "))
     timelines = []
     if no_plot:
@@ -444,11 +476,15 @@ def main(argv: list[str] | None = None) -> int:
     # torch logs a traceback for each failed fake-tensor op; fxopt's own error says what failed
     from fxopt.cli.device import parse_device, torch_threads
 
+    from fxopt.core import progress
+
     quiet = contextlib.nullcontext() if args.debug else quiet_fake_tensor_logs()
+    target = args.target if isinstance(args.target, str) else ",".join(args.target)
     try:
-        with quiet, torch_threads(args.threads):
+        with quiet, torch_threads(args.threads), progress.shown(True if args.progress else None):
             args.device = parse_device(args.device)
-            return COMMANDS[args.command](args)
+            with progress.phase(f"{args.command} {target}"):
+                return COMMANDS[args.command](args)
     except EquivalenceError as error:
         if args.debug:
             raise

@@ -1,9 +1,12 @@
 """A progress bar for long CLI work: drawn on a terminal, silent when the output is piped.
 
 ``Progress`` is the ``progress(done, total, label)`` callable that ``fxopt.bench.bench`` and
-``fxopt.check.check_equivalence`` accept. It writes to stderr (so ``--json`` on stdout stays
-clean), redraws one line with ``\\r``, and ends the line when ``done == total``. Whether it
-draws is decided once: ``enabled=None`` means "if the stream is a terminal".
+``fxopt.check.check_equivalence`` accept. Made with neither ``stream`` nor ``enabled`` (as the
+CLI makes it), it shows its count on fxopt's one status line (``fxopt.core.progress``), in front
+of the phases running inside each step (capture, each pass, verify), so that one line on stderr
+tells both; ``--progress`` / ``FXOPT_PROGRESS=1`` show them in a pipe too. Given a stream, it
+draws its own bar there: it redraws one line with ``\\r`` and ends the line when
+``done == total``; ``enabled=None`` then means "if the stream is a terminal".
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TextIO
 class Progress:
     def __init__(self, title: str = "", *, stream: TextIO | None = None,
                  enabled: bool | None = None, width: int = 24):
+        self.shared = stream is None and enabled is None  # through fxopt's status line
         self.stream = stream if stream is not None else sys.stderr
         isatty = getattr(self.stream, "isatty", None)
         self.enabled = bool(isatty and isatty()) if enabled is None else enabled
@@ -23,6 +27,10 @@ class Progress:
         self._drawn = False
 
     def __call__(self, done: int, total: int, label: str = "") -> None:
+        if self.shared:
+            from fxopt.core.progress import counter
+            counter(self.title, done, total, label)
+            return
         if not self.enabled:
             return
         filled = self.width * done // total if total else self.width
@@ -36,6 +44,10 @@ class Progress:
 
     def close(self) -> None:
         """End a bar that did not reach its total (an error stopped the work)."""
+        if self.shared:
+            from fxopt.core.progress import counter
+            counter(self.title, 1, 1)
+            return
         if self.enabled and self._drawn:
             self.stream.write("\n")
             self.stream.flush()

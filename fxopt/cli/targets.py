@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-import models_zoo
+import fxopt.models_zoo as models_zoo
 from fxopt.cli.device import to_device
 from fxopt.cli.inputs import DEFAULT_INT_RANGE, INPUT_DTYPES, InputSpec, draw, make_inputs
 from fxopt.core.errors import InputError
-from fxopt.core.inputs import check_inputs
+from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.step import as_args
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -99,6 +99,19 @@ def _instantiate(obj: Any, where: str) -> tuple[nn.Module, Given]:
                           "or (model, args_tuple, kwargs_dict)")
 
 
+def _refuse_meta(target: str, model: nn.Module, inputs: tuple) -> None:
+    """Every command runs the model for real (verification, measurement, timing): a model or
+    inputs on the meta device, which hold no values, are refused before anything is moved."""
+    try:
+        refuse_meta_tensors(f"fxopt on {target}", model, inputs)
+    except InputError as error:
+        raise InputError(error.what, where=f"TARGET {target} ({error.where})",
+                         hint="materialise the model first (model.to_empty(device='cpu'), then "
+                              "load its weights, e.g. with --weights), or rewrite it from Python "
+                              "with fxopt.optimize(..., verify=False), which runs nothing"
+                         ) from None
+
+
 def load_inputs(path: str, model: nn.Module) -> tuple:
     """forward's positional arguments from a ``torch.save``d tensor, tuple, list or dict (keyword
     arguments)."""
@@ -117,7 +130,7 @@ def load_inputs(path: str, model: nn.Module) -> tuple:
 def _resolve(target: str, batch: int | None) -> tuple[nn.Module, Given]:
     """The model and the target's own inputs (None for a class or a factory of a module)."""
     if target.startswith("eco:"):
-        from models_zoo import ecosystem
+        from fxopt.models_zoo import ecosystem
         entry = ecosystem.get(target[4:])
         return entry.build(), entry.inputs(batch or entry.default_batch)
     if target.startswith("zoo:"):
@@ -235,6 +248,7 @@ def load_target(target: str, *, input_shape: tuple[int, ...] | None = None,
                             inputs_file=inputs_file, dtype=dtype, int_range=int_range)
     if weights:
         model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+    _refuse_meta(target, model, inputs)
     if dtype in ("float16", "bfloat16", "float64"):
         model = model.to(DTYPES[dtype])
         inputs = tuple(t.to(DTYPES[dtype]) if isinstance(t, torch.Tensor) and t.is_floating_point()

@@ -197,11 +197,14 @@ def compiled_modules(module: nn.Module) -> list[str]:
     """Paths (``""`` for ``module`` itself) of the modules in ``module``'s tree that run code
     compiled by ``torch.compile``: a wrapper ``torch.compile(m)`` returned
     (``torch._dynamo.eval_frame.OptimizedModule``), or a module ``m.compile()`` was called on
-    (``COMPILED_CALL`` set). A function compiled and called inside ``forward`` is not seen."""
+    (``COMPILED_CALL`` set), or a module holding such a wrapper as a plain attribute rather
+    than a submodule (``fxopt.bench.peers``' compiled peer keeps it out of its state dict). A
+    function compiled and called inside ``forward`` is not seen."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     return [name for name, m in module.named_modules()
-            if isinstance(m, OptimizedModule) or getattr(m, COMPILED_CALL, None) is not None]
+            if isinstance(m, OptimizedModule) or getattr(m, COMPILED_CALL, None) is not None
+            or any(isinstance(v, OptimizedModule) for v in vars(m).values())]
 
 
 def uncompiled(module: nn.Module) -> nn.Module:

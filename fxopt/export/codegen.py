@@ -171,17 +171,40 @@ def _attach(path: str, gm: fx.GraphModule, tree: TreeWriter, classes: _Classes) 
         tree.lines.append(_setattr(path, target, f"{body}()"))
     for target, region in regions.items():
         where = f"region {_full(path, target)}"
-        body = classes.add("_RegionBody", "The body of a checkpointed region: code run over the "
-                           "state its call site passes.", _methods(region.body.graph, None,
-                                                                   tree.imports, where))
         if region.targets is None:
             raise ExportError(f"cannot export {where}: it holds its own state (an optimized "
                               "module saved by fxopt 0.1)", where=where,
                               hint="optimize the model again with this fxopt, then export it")
-        tree.lines.append(_setattr(path, target, (
-            f"{tree.imports.reference(type(region), where)}({body}(), "
-            f"selective={bool(region.selective)!r}, targets={region.targets!r})")))
+        tree.lines.append(_setattr(path, target, _region_source(region, classes, tree.imports,
+                                                                where)))
     return len(regions)
+
+
+# The graphs of a region (fxopt.runtime.regions.CheckpointedRegion), by constructor argument.
+_REGION_GRAPHS = {"forward": ("_RegionForward", "The forward of a selective checkpointed region: "
+                              "its body, also returning the outputs it keeps for backward."),
+                  "recompute": ("_RegionRecompute", "What backward recomputes of a checkpointed "
+                                "region: its body without the nodes whose outputs it keeps, "
+                                "BatchNorm over scratch statistics.")}
+
+
+def _region_source(region: CheckpointedRegion, classes: _Classes, imports: Imports,
+                   where: str) -> str:
+    """The constructor call that rebuilds ``region`` from code-only classes of its graphs."""
+    body = classes.add("_RegionBody", "The body of a checkpointed region: code run over the "
+                       "state its call site passes.", _methods(region.body.graph, None, imports,
+                                                               where))
+    arguments = [f"{body}()", f"selective={bool(region.selective)!r}",
+                 f"targets={region.targets!r}"]
+    for argument, (name, doc) in _REGION_GRAPHS.items():
+        graph_module = getattr(region, argument)
+        if graph_module is region.body:
+            arguments.append(f"{argument}={body}()")
+        elif graph_module is not None:
+            code = _methods(graph_module.graph, None, imports, f"{where} ({argument})")
+            arguments.append(f"{argument}={classes.add(name, doc, code)}()")
+    arguments += [f"random={bool(region.random)!r}", f"shield={bool(region.shield)!r}"]
+    return f"{imports.reference(type(region), where)}({', '.join(arguments)})"
 
 
 def _full(path: str, target: str) -> str:

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-import passes
+import fxopt.passes as passes
 from fxopt.capture.trace_checks import is_user_file
 from fxopt.core.tensors import storage_bytes
 from fxopt.core.torch_private import BatchNormBase, DropoutBase
@@ -86,6 +86,25 @@ class Lint:
                f"    tip: {self.tip}"
 
 
+def grouped(lints: list[Lint], *, shown: int = 4) -> list[Lint]:
+    """``lints`` with those that say the same thing (code, message and hint) at several places
+    merged into one, its ``where`` naming the first ``shown`` places and how many there are:
+    mobilenet_v2 at batch 2 has one small-batch BatchNorm lint, not 52. In the order of each
+    group's first lint."""
+    groups: dict[tuple[str, str, str, str], list[Lint]] = {}
+    for lint in lints:
+        groups.setdefault((lint.code, lint.kind, lint.message, lint.hint), []).append(lint)
+    merged = []
+    for same in groups.values():
+        if len(same) == 1:
+            merged.append(same[0])
+            continue
+        places = ", ".join(lint.where for lint in same[:shown])
+        more = f" and {len(same) - shown} more" if len(same) > shown else ""
+        merged.append(replace(same[0], where=f"{len(same)} places: {places}{more}"))
+    return merged
+
+
 def _lint(code: str, kind: str, where: str, message: str, hint: str) -> Lint:
     return Lint(code, kind, where, message, hint, TIPS[code])
 
@@ -130,8 +149,8 @@ def batchnorm_small_batch(gm: fx.GraphModule, example_inputs: Any = None, *,
         if value.shape[0] < min_batch:
             lints.append(_lint(
                 "batchnorm-small-batch", "training", node.target,
-                f"{type(bn).__name__}({bn.num_features}) normalizes over a batch of "
-                f"{value.shape[0]} (< {min_batch}): its batch statistics are noisy",
+                f"{type(bn).__name__} normalizes over a batch of {value.shape[0]} "
+                f"(< {min_batch}): its batch statistics are noisy",
                 "use a per-device batch of 8 or more, nn.SyncBatchNorm across devices, or "
                 "nn.GroupNorm, which does not depend on the batch"))
     return lints

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import fx
 
+from fxopt.core import progress
 from fxopt.analysis.estimate import PeakEstimate, estimate_peak
 from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import TraceInfo
@@ -112,7 +113,9 @@ class Report:
 
 
 class PhaseClock:
-    """``with clock("verify"): ...`` adds the block's wall seconds to ``clock.seconds``."""
+    """``with clock("verify"): ...`` adds the block's wall seconds to ``clock.seconds``, and
+    tells the phase as it happens (``fxopt.core.progress``: the "fxopt" logger, a terminal's
+    status line)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -121,7 +124,8 @@ class PhaseClock:
     def __call__(self, phase: str) -> Iterator[None]:
         started = time.perf_counter()
         try:
-            yield
+            with progress.phase(phase):
+                yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 

@@ -12,9 +12,11 @@ from torch import fx
 
 from fxopt.analysis import alias_classes, saved_for_backward
 from fxopt.analysis.blocks import node_blocks
-from fxopt.analysis.costmodel import node_costs
+from fxopt.analysis.costmodel import node_costs, region_costs
 from fxopt.analysis.estimate import released_gradients
+from fxopt.analysis.randomness import draws_random_numbers
 from fxopt.analysis.writes import overwritten_inputs
+from fxopt.core import meta_keys
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.tensors import allocated_bytes, tensor_bytes
 from fxopt.core.training_setup import TrainingSetup
@@ -161,6 +163,14 @@ def _loss_gradient_bytes(node: fx.Node, info) -> int:
     return info.internal_bytes
 
 
+def _draws_random_numbers(gm: fx.GraphModule, node: fx.Node, costs: dict) -> bool:
+    """Whether ``node`` draws random numbers in training: an op tagged so ran inside it on the
+    fake run (``NodeCost.random``), the graph says so (``fxopt.analysis.randomness``), or it is an
+    opaque leaf that ran for real, where no fake run looked inside."""
+    return ((node in costs and costs[node].random) or draws_random_numbers(gm, node)
+            or node.meta.get(meta_keys.META_SOURCE) == meta_keys.REAL)
+
+
 def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
     try:
         gm.get_parameter(target)
@@ -224,6 +234,8 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True,
             grad_bytes=grads.get(node, 0),
             grad_live_bytes=grad_live[i] + _loss_gradient_bytes(node, info),
             block=blocks[i],
+            random=_draws_random_numbers(gm, node, costs),
         ))
-    return CheckpointProblem(infos, value_bytes,
-                             regions_across_blocks=regions_across_blocks), forward
+    region_seconds, saved_seconds = region_costs(gm, profile=profile)
+    return CheckpointProblem(infos, value_bytes, regions_across_blocks=regions_across_blocks,
+                             region_seconds=region_seconds, saved_seconds=saved_seconds), forward

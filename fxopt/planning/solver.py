@@ -16,7 +16,12 @@ ones already freed, the gradients of every parameter after it allocated, the gra
 activations in flight there (a value's gradient lives in backward over the same stretch of nodes
 as the value does in forward: from its last reader back to its producer), and -- for a region --
 its own saved tensors rebuilt.
-Extra time is the summed forward cost of the recomputed ops.
+Extra time is the summed forward cost of the recomputed ops plus what a region costs as such on
+the device (``CheckpointProblem.region_seconds`` per region and ``saved_seconds`` per tensor its
+recomputed ops save, measured where the planner runs): where a region call is dear relative to
+the ops (a GPU, tiny inputs) the cheapest plan has fewer, larger regions, and a selective region
+(which recomputes BatchNorm, activations and adds but keeps convolutions and matmuls) beats a full
+one wherever the memory allows.
 
 Algorithm. Dynamic programming over atom boundaries (the Chen/Rotor family), with memory as a
 discretised resource: ``best[state][m]`` is the least recompute time that reaches a boundary
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 FULL, SELECTIVE, NORMAL = "full", "selective", "normal"
-REGION_OVERHEAD_SECONDS = 2e-5  # a checkpoint call's own cost; discourages needless tiny regions
+REGION_OVERHEAD_SECONDS = 2e-5  # a region call's own cost in hand-made problems (measured otherwise)
 _SHORT_LIVED_ATOMS = 4
 _MAX_TRACKED_PENDING = 6
 _CHECKED_ENDS = 16  # DP end cells traced back and counted exactly, cheapest first
@@ -61,6 +66,16 @@ class NodeInfo:
     block: str | None = None             # the repeated block it runs in ("model.layers.3")
     grad_bytes: int = 0                  # parameter gradients this node's backward allocates
     grad_live_bytes: int = 0             # activation gradients alive while its backward runs
+    random: bool = False                 # draws random numbers (dropout): a region holding it
+    #                                      replays the RNG, and a selective one recomputes it
+
+    @property
+    def keepable(self) -> bool:
+        """Whether a selective region keeps this node's output instead of recomputing it: a
+        heavy node that draws no random numbers (skipping it in the recomputation would shift
+        the random numbers of the nodes after it) and writes nothing in place (its writes would
+        not happen again)."""
+        return self.heavy and not self.random and self.mutates is None
 
 
 @dataclass
@@ -70,6 +85,12 @@ class CheckpointProblem:
     # True lets a region span repeated blocks: a flat module (blocks not kept as calls), for
     # measuring what keeping them costs (benchmarks/block_structure.py)
     regions_across_blocks: bool = False
+    # what a region costs beyond recomputing its nodes, on the device that runs it: the region
+    # call's own bookkeeping in forward and backward (``region_seconds``), and a little per tensor
+    # its nodes save (``saved_seconds``: each goes through a Python hook twice). Measured by
+    # ``fxopt.analysis.node_timing.region_overhead``; these defaults are for hand-made problems.
+    region_seconds: float = REGION_OVERHEAD_SECONDS
+    saved_seconds: float = 0.0
 
     def kept_without_checkpointing(self) -> int:
         return modelled_bytes(self, CheckpointPlan())
@@ -94,6 +115,17 @@ class Region:
     recompute_bytes: int   # rebuilt in backward while the region is recomputed
     freed_bytes: int = 0   # kept bytes the region saves: what its nodes would keep run normally,
     #                        minus the inputs (and, if selective, heavy outputs) it keeps instead
+    kept: tuple[int, ...] = ()  # nodes (indices in problem.nodes) whose outputs it keeps
+    random: bool = True    # whether a node of it draws random numbers (its RNG state is replayed)
+
+
+def make_region(problem: CheckpointProblem, lo: int, hi: int, mode: str, seconds: float,
+                working: int, freed: int) -> Region:
+    """The region over nodes [lo, hi) in ``mode``, with what it keeps and whether it draws
+    random numbers."""
+    nodes = problem.nodes[lo:hi]
+    kept = tuple(i for i, n in enumerate(nodes, start=lo) if n.keepable) if mode == SELECTIVE else ()
+    return Region(lo, hi, mode, seconds, working, freed, kept, any(n.random for n in nodes))
 
 
 @dataclass
@@ -144,7 +176,7 @@ def block_plan(problem: CheckpointProblem) -> CheckpointPlan | None:
         arc = _arc(problem, lo, hi, FULL, floor)
         freed = kept_by(problem, _arc(problem, lo, hi, NORMAL)) - kept_by(problem, arc)
         if freed > 0:
-            regions.append(Region(lo, hi, FULL, arc.seconds, arc.working, freed))
+            regions.append(make_region(problem, lo, hi, FULL, arc.seconds, arc.working, freed))
     if not regions:
         return None
     plan = CheckpointPlan(regions, extra_seconds=sum(r.extra_seconds for r in regions))
@@ -183,21 +215,27 @@ def _arc(problem: CheckpointProblem, lo: int, hi: int, mode: str,
         internal = sum(n.internal_bytes for n in nodes)
         return _Arc(lo, hi, mode, 0.0, 0, frozenset(keeps & problem.value_bytes.keys()), internal)
     inputs = set().union(*(n.reads for n in nodes)) - inside
-    heavy = {n.name for n in nodes if n.heavy} if mode == SELECTIVE else set()
+    heavy = {n.name for n in nodes if n.keepable} if mode == SELECTIVE else set()
     keeps = (inputs | heavy) & problem.value_bytes.keys()
-    seconds = sum(n.seconds for n in nodes if n.name not in heavy) + REGION_OVERHEAD_SECONDS
+    recomputed = [n for n in nodes if n.name not in heavy]
+    seconds = (sum(n.seconds for n in recomputed) + problem.region_seconds
+               + problem.saved_seconds * sum(len(n.saved) + bool(n.internal_bytes)
+                                             for n in recomputed))
+    # a kept node's own saved results (attention's log-sum-exp) stay with its output
+    internal = sum(n.internal_bytes for n in nodes if n.name in heavy)
     rebuilt = (set().union(*(n.saved for n in nodes)) & inside) - heavy
     working = sum(problem.value_bytes.get(v, 0) for v in rebuilt) + sum(
-        n.internal_bytes for n in nodes)
+        n.internal_bytes for n in recomputed)
     if floor is None:
         floor = problem.backward_floor()
     alive, backward, pending = 0, 0, set(rebuilt)
     for i, node in enumerate(nodes, start=lo):
         first_saved = pending & node.saved
         pending -= first_saved
-        alive += sum(problem.value_bytes.get(v, 0) for v in first_saved) + node.internal_bytes
+        alive += sum(problem.value_bytes.get(v, 0) for v in first_saved)
+        alive += node.internal_bytes if node.name not in heavy else 0
         backward = max(backward, alive + floor[i])
-    return _Arc(lo, hi, mode, seconds, working, frozenset(keeps), 0, backward)
+    return _Arc(lo, hi, mode, seconds, working, frozenset(keeps), internal, backward)
 
 
 def kept_by(problem: CheckpointProblem, arc: _Arc) -> int:
@@ -215,9 +253,9 @@ def _region_allowed(nodes: list[NodeInfo], across_blocks: bool = False) -> bool:
 
 
 def _selective_allowed(nodes: list[NodeInfo]) -> bool:
-    """A selective region needs a heavy op to keep, and must not overwrite what it keeps:
-    torch's selective checkpointing refuses a kept output that is later mutated in place."""
-    heavy = {n.name for n in nodes if n.heavy}
+    """A selective region needs a node to keep (``NodeInfo.keepable``), and must not overwrite
+    what it keeps: the recomputation reads the kept output as the forward made it."""
+    heavy = {n.name for n in nodes if n.keepable}
     return bool(heavy) and not any(n.mutates in heavy for n in nodes)
 
 
@@ -394,8 +432,8 @@ class _Search:
         """
         values = self.problem.value_bytes
         if arc.mode != NORMAL:
-            charge = sum(values[v] for v in arc.keeps
-                         if v not in state and v not in self.long_lived)
+            charge = arc.internal + sum(values[v] for v in arc.keeps
+                                        if v not in state and v not in self.long_lived)
             charge += sum(values[n.name] for n in self.problem.nodes[arc.lo:arc.hi]
                           if n.name in self.long_lived)
             return charge, charge + arc.backward
@@ -423,7 +461,8 @@ class _Search:
             if arc.mode != NORMAL:
                 normal = _arc(self.problem, arc.lo, arc.hi, NORMAL)
                 freed = kept_by(self.problem, normal) - kept_by(self.problem, arc)
-                regions.append(Region(arc.lo, arc.hi, arc.mode, arc.seconds, arc.working, freed))
+                regions.append(make_region(self.problem, arc.lo, arc.hi, arc.mode, arc.seconds,
+                                           arc.working, freed))
         return sorted(regions, key=lambda r: r.start)
 
 
@@ -445,6 +484,7 @@ def modelled_bytes(problem: CheckpointProblem, plan: CheckpointPlan) -> int:
             region = regions[i]
             arc = _arc(problem, region.start, region.stop, region.mode, floor)
             kept |= arc.keeps
+            internal += arc.internal
             now = sum(problem.value_bytes[v] for v in kept) + internal
             peak = max(peak, now + arc.backward)
             i = region.stop

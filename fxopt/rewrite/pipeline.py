@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import fx
 
+from fxopt.core import progress
 from fxopt.core.errors import BudgetError, ConfigError, FxoptError, PassError
 from fxopt.rewrite.invariants import lint_after_pass, snapshot
 from fxopt.rewrite.pass_base import plain_stats
@@ -190,7 +191,8 @@ def run_passes(gm: fx.GraphModule, config: Config, registry: PassRegistry) -> li
         before = snapshot(gm)
         start = time.perf_counter()
         try:
-            result = spec.run(gm, **{**config.given(spec), **options})
+            with progress.phase(spec.name):
+                result = spec.run(gm, **{**config.given(spec), **options})
         except (BudgetError, ConfigError, PassError):
             raise
         except FxoptError as error:

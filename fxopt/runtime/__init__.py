@@ -1,9 +1,12 @@
 """What an optimized module calls while it runs.
 
 - ``regions``: ``CheckpointedRegion`` and its graph call site ``call_region`` (activation
-  checkpointing with RNG replay, selective recomputation, BatchNorm buffers shielded from recomputation), and
-  ``HEAVY_ATEN_OPS``: the ops selective recomputation keeps, which the planner's cost model
-  calls heavy too (one definition, so plan and run time agree).
+  checkpointing over a recompute graph built at optimize time: selective regions keep the
+  outputs the plan names, BatchNorm is recomputed without touching its buffers, dropout by RNG
+  replay), and ``HEAVY_ATEN_OPS``: the ops whose nodes the planner's cost model calls heavy
+  (kept by a selective region), and which SAC keeps under ``torch.compile``.
+- ``region_frame``: what a region runs in a training step: saved-tensor hooks that save nothing
+  and the recomputation that fills them in backward.
 - ``eval_forward``: the eval-mode graph a module with a graph per training mode dispatches to.
 - ``input_guard``: the first node of a graph captured by torch.export, which refuses inputs
   outside what export captured (a size it specialised, another dtype or structure).

@@ -300,8 +300,7 @@ class InputGuard:
                          where=f"{self.model_name}.forward argument {where}", hint=hint)
 
     def _match(self, recipe: Any, value: Any, where: str, found: dict) -> None:
-        recapture = ("capture again with example inputs like this call "
-                     "(fxopt.capture.export_frontend.capture_with_export(model, args, kwargs))")
+        recapture = optimize_again_with(where.split(".")[0].split("[")[0])
         if isinstance(recipe, Leaf):
             if not isinstance(value, torch.Tensor):
                 self._fail(f"with {where} a tensor; this call gives {describe(value)}",
@@ -368,6 +367,15 @@ class InputGuard:
                 self._fail(f"for {here} in {span}{why}; this call gives {size}", here,
                            "capture again with example inputs of this size (fxopt.optimize on "
                            "the model with them), or pad the inputs to a size in the range")
+
+
+def optimize_again_with(argument: str) -> str:
+    """What to do when a call passes ``argument`` otherwise than the example inputs did."""
+    return (f"optimize the model again with {argument} in its example inputs as this call passes "
+            f"it: fxopt.optimize(model, args, example_kwargs={{..., {argument!r}: ...}}). For a "
+            "Hugging Face model, pass a batch as your data collator makes it (input_ids, "
+            "attention_mask, labels): an optimized module serves the arguments it was optimized "
+            "with")
 
 
 def _same_plain(a: Any, b: Any) -> bool:

@@ -1,39 +1,49 @@
 """Run a piece of a graph under activation checkpointing, without side effects on recompute.
 
-``CheckpointedRegion(body, targets=..., selective=...)`` is what a checkpointed region of an
-optimized graph calls: ``call_region(self._fxopt_region_0, x, self.conv1, self.bn1)``. The body is
-code only: a GraphModule whose ``forward`` reads ``self.conv1`` & co., run with a ``RootState``
-as ``self`` that holds what the root graph looked up for each of ``targets`` *in this call*. So
-every parameter, buffer, submodule and constant a region uses is resolved through the root module
-when the graph runs, never held by the region: ``load_state_dict(assign=True)``, ``.to()``,
-replacing a Parameter, ``deepcopy`` and FSDP2's parameter swap reach the region as they reach the
-rest of the graph. (A region built with ``targets=None`` runs ``body`` as a module that holds its
-own state: torch.utils.checkpoint's plain behaviour, and how modules saved by fxopt 0.1 load.)
+``CheckpointedRegion(body, targets=..., selective=..., recompute=..., ...)`` is what a
+checkpointed region of an optimized graph calls: ``call_region(self._fxopt_region_0, x,
+self.conv1, self.bn1)``. The body is code only: a GraphModule whose ``forward`` reads
+``self.conv1`` & co., run with a ``RootState`` as ``self`` that holds what the root graph looked
+up for each of ``targets`` *in this call*. So every parameter, buffer, submodule and constant a
+region uses is resolved through the root module when the graph runs, never held by the region:
+``load_state_dict(assign=True)``, ``.to()``, replacing a Parameter, ``deepcopy`` and FSDP2's
+parameter swap reach the region as they reach the rest of the graph. (A region built with
+``targets=None`` runs ``body`` as a module that holds its own state: torch.utils.checkpoint's plain
+behaviour, and how modules saved by fxopt 0.1 load.)
 
-In a training forward the body runs through ``torch.utils.checkpoint.checkpoint`` with
-``use_reentrant=False`` (works when inputs do not require grad, with frozen parameters, under
-autocast and under DistributedDataParallel) and ``preserve_rng_state=True`` (dropout masks are
-replayed exactly). Recomputation uses the very objects the forward call resolved. With grad
-disabled the body is just called: nothing is recomputed, but the region's inputs stay alive until
-the call returns, so an inference peak can grow by one input (``tests/test_checkpoint.py``
-records this as an expected failure).
+Three graphs, built when the model is optimized (``fxopt.rewrite.region_graphs``):
 
-Recomputation would run BatchNorm's running-statistics update a second time (PyTorch's own
-checkpoint does). Here recomputation runs on copies of the buffers the region reads (the buffers
-of the modules it calls, and the buffer tensors it reads directly), swapped in when it starts and
-swapped out when it ends, so after one training step ``running_mean``, ``running_var`` and
-``num_batches_tracked`` equal the unoptimized model's exactly. The real buffers are never written
-during backward: a module called both inside and outside a region (a shared BatchNorm) keeps the
-buffer its outside call saved for backward at the version autograd expects. Buffers that require
-grad are left in place (recomputation must reach them) and are not shielded.
+- ``body``: the region as it was in the model's graph. Run as it is with grad disabled (nothing is
+  recomputed, but the region's inputs stay alive until the call returns, so an inference peak can
+  grow by one input: ``tests/test_checkpoint.py`` records this as an expected failure), and under
+  ``torch.compile``.
+- ``forward`` (selective regions only): the body that also returns the outputs of the nodes the
+  plan keeps (convolutions, matmuls), each run between ``enter_kept`` and ``leave_kept``.
+- ``recompute``: what backward runs again: the body without the kept nodes (it reads their kept
+  outputs instead), with BatchNorm computing on scratch running statistics
+  (``recomputed_batch_norm``) and the counter's increment left out, so BatchNorm's buffers are
+  updated exactly once.
 
-``selective=True`` keeps the outputs of convolutions and matmuls (selective activation
-checkpointing) so only the cheap, memory-bound ops are recomputed. Under autocast a selective
-region recomputes fully (correct, costs more time than planned).
+In a training forward, ``fxopt.runtime.region_frame`` runs the forward graph under saved-tensor
+hooks that save nothing, and the recompute graph when backward first needs a saved tensor: what
+``torch.utils.checkpoint(use_reentrant=False)`` does, without a Python callback per ATen op (the
+selective policy is the graph itself), an RNG stash for regions that draw no random numbers
+(``random``), or buffer copies per call (``shield``: only for a region that writes buffers the
+builder cannot recompute without writing, whose recomputation then runs on copies of them,
+``buffers_shielded``). Why not torch's machinery with a policy: its selective checkpointing decides
+per ATen op in a ``TorchDispatchMode``, in forward and again in recompute; on small ops that
+Python, not the arithmetic, set the time (``benchmarks/recompute_overhead.py``). Why not one
+autograd Function per region with a backward graph traced at optimize time: that needs the joint
+graph of every region (ATen-level, fixed or symbolic shapes), and gives up the module-level calls
+(hooks, FSDP2's per-block parameters) the region runs today; recomputing through the region's own
+forward graph keeps autograd's derivatives and the module calls, and costs one forward of the
+cheap nodes.
 
-Under ``torch.compile`` the compiled graph does the bookkeeping itself (BatchNorm's buffers are
-updated once, dropout is replayed): a selective region passes SAC's contexts for the same heavy
-ops, a full region none (torch's own full recomputation).
+Under ``torch.compile`` the region goes through ``torch.utils.checkpoint`` with the plain body
+(the compiled graph updates BatchNorm's buffers once and replays dropout by itself): a selective
+region passes SAC's contexts for the heavy ops (``HEAVY_ATEN_OPS``), a full region none. Regions
+pickled before the recompute graph existed run through ``torch.utils.checkpoint`` in eager mode
+too, as they did (SAC's dispatch mode for a selective one, buffers copied for recompute).
 
 The region object is stored on the GraphModule as a plain attribute, not a submodule, and holds
 no tensors: a deep copy or a pickle of it copies code, never weights.
@@ -48,11 +58,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import fx
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+)
+
+from .region_frame import (  # noqa: F401 -- enter_kept, leave_kept: called by forward graphs
+    RegionFrame,
+    _autocast_state,
+    _devices,
+    _RngState,
+    enter_kept,
+    leave_kept,
 )
 
 aten = torch.ops.aten
@@ -63,10 +81,14 @@ aten = torch.ops.aten
 PRIVATE_HEAVY_OPS = ("_scaled_mm", "_scaled_dot_product_flash_attention",
                      "_scaled_dot_product_efficient_attention",
                      "_scaled_dot_product_cudnn_attention",
-                     "_scaled_dot_product_flash_attention_for_cpu")
-# The ops selective recomputation keeps (their outputs are saved, everything else in a selective
-# region is recomputed). fxopt's cost model calls a node heavy when one of these runs inside it,
-# so the planner and the run time agree on what a selective region keeps.
+                     "_scaled_dot_product_flash_attention_for_cpu",
+                     "_scaled_dot_product_fused_attention_overrideable",
+                     "_flash_attention_forward", "_efficient_attention_forward",
+                     "_grouped_mm", "_scaled_grouped_mm", "_addmm_activation")
+# The ops selective recomputation keeps. fxopt's cost model calls a node heavy when one of these
+# runs inside it, and the plan names the heavy nodes a selective region keeps (Region.kept); under
+# torch.compile SAC keeps these ops' outputs. The GPU forms (grouped and fused-epilogue matmuls,
+# the attention kernels' own entry points) are here so that a GPU graph's matmuls count as heavy.
 HEAVY_ATEN_OPS = frozenset({
     aten.convolution, aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
     *(getattr(aten, name) for name in PRIVATE_HEAVY_OPS if hasattr(aten, name)),
@@ -184,15 +206,32 @@ class CheckpointedRegion:
     ``targets``: the qualified names (on the root module) of what the body reads through
     ``self``, in the order the call site passes their values after the body's inputs; ``None``
     for a body that is a module holding its own state.
+    ``recompute``: the recompute graph (``forward(self, *inputs, *kept) -> inner values``); None
+    for a region pickled before it existed (it runs through ``torch.utils.checkpoint``).
+    ``forward``: a selective region's forward graph (``forward(self, frame, *inputs) ->
+    (body's result, kept outputs)``); None for a full region (the body is its forward).
+    ``random``: whether the region draws random numbers (its RNG state is stashed for the
+    recomputation); ``shield``: whether the recomputation runs on copies of the buffers it reads
+    (``buffers_shielded``), for a region writing buffers its recompute graph cannot leave alone.
     """
 
     targets: tuple[str, ...] | None = None  # regions pickled before targets existed hold state
+    forward: torch.nn.Module | None = None
+    recompute: torch.nn.Module | None = None  # regions pickled before it existed: torch's checkpoint
+    random: bool = True
+    shield: bool = True
 
     def __init__(self, body: torch.nn.Module, *, selective: bool,
-                 targets: tuple[str, ...] | None = None):
+                 targets: tuple[str, ...] | None = None, forward: torch.nn.Module | None = None,
+                 recompute: torch.nn.Module | None = None, random: bool = True,
+                 shield: bool = True):
         self.body = body
         self.selective = selective
         self.targets = None if targets is None else tuple(targets)
+        self.forward = forward
+        self.recompute = recompute
+        self.random = random
+        self.shield = shield
 
     def run(self, reads: Any, *inputs: Any) -> Any:
         """The body's forward on ``inputs``, reading ``reads`` (a RootState) as ``self``."""
@@ -206,9 +245,34 @@ class CheckpointedRegion:
         else:
             split = len(args) - len(self.targets)
             inputs, reads = args[:split], RootState(self.targets, args[split:])
-        function = functools.partial(self.run, reads)
         if not torch.is_grad_enabled():
-            return function(*inputs)
+            return self.run(reads, *inputs)
+        if self.recompute is None or torch.compiler.is_compiling():
+            return self._torch_checkpoint(reads, inputs)
+        return self._checkpointed(reads, inputs)
+
+    def _checkpointed(self, reads: Any, inputs: tuple) -> Any:
+        """A training forward: the forward graph under saved-tensor hooks that save nothing
+        (``fxopt.runtime.region_frame``)."""
+        frame = RegionFrame(functools.partial(_graph_forward, self.recompute), reads,
+                            buffers_shielded if self.shield else None, self.forward is not None)
+        device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
+        if self.random:
+            state = reads.slots() if isinstance(reads, RootState) else ()
+            frame.rng = _RngState(_devices([*inputs, *(value for _, _, value in state)]))
+        frame.autocast = _autocast_state(device.type if device is not None else "cpu")
+        with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+            if self.forward is None:
+                result, kept = self.run(reads, *inputs), ()
+            else:
+                result, kept = type(self.forward).forward(reads, frame, *inputs)
+        frame.save(inputs, kept)
+        return result
+
+    def _torch_checkpoint(self, reads: Any, inputs: tuple) -> Any:
+        """``torch.utils.checkpoint`` over the body: under torch.compile, and for regions pickled
+        before the recompute graph existed."""
+        function = functools.partial(self.run, reads)
         if torch.compiler.is_compiling():
             selective = self.selective and not _autocast_on()
             contexts = {"context_fn": _COMPILED_SELECTIVE} if selective else {}
@@ -224,6 +288,30 @@ class CheckpointedRegion:
         return f"CheckpointedRegion({kind}{size})"
 
 
+def _graph_forward(graph_module: torch.nn.Module, reads: Any, *args: Any) -> Any:
+    return type(graph_module).forward(reads, *args)
+
+
 def call_region(region: CheckpointedRegion, *args: Any) -> Any:
     """The graph's call site of a region: ``call_region(self._fxopt_region_0, x, self.conv1)``."""
     return region(*args)
+
+
+# The batch-norm classes whose training-mode forward is ``F.batch_norm`` over their buffers and a
+# counter increment, nothing else (a subclass may do more: it is called as it is).
+_PLAIN_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+
+
+def recomputed_batch_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` as a recompute graph runs it: in training mode, batch statistics over
+    scratch running statistics (updated and thrown away; the output depends on the batch alone)
+    and no counter increment, so the module's buffers are written once, by the forward; in eval
+    mode (or without running statistics), the call itself, which writes nothing."""
+    if (type(module) in _PLAIN_BATCH_NORMS and module.training
+            and module.running_mean is not None and module.running_var is not None):
+        # torch.batch_norm as F.batch_norm calls it (its checks passed in the forward)
+        return torch.batch_norm(
+            x, module.weight, module.bias, torch.empty_like(module.running_mean),
+            torch.empty_like(module.running_var), True, 0.0, module.eps,
+            torch.backends.cudnn.enabled)
+    return module(x)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -252,7 +253,11 @@ def keep_pretrained_interface(gm: fx.GraphModule, model: nn.Module) -> None:
     object.__setattr__(gm, _STAND_IN, stand_in)
     # Named like torch.fx's per-instance classes, so that a copy's class derives from
     # PretrainedInterface (GraphModule.__new__ skips classes of that name).
+    # Its __name__ stays the model's (LlamaForCausalLM): what an export names its class and a
+    # repr shows (only __qualname__ matters to GraphModule.__new__).
+    name = type(gm).__name__
     gm.__class__ = type("GraphModuleImpl", (PretrainedInterface, type(gm)), {})
+    gm.__class__.__name__ = name
 
 
 def _stand_in(model: nn.Module) -> nn.Module:
@@ -287,6 +292,34 @@ def _match_dtypes(stand_in: nn.Module, state: dict[str, torch.Tensor]) -> None:
             if live is not None and live.dtype != p.dtype:
                 setattr(module, name, nn.Parameter(torch.empty_like(p, dtype=live.dtype),
                                                    requires_grad=p.requires_grad))
+
+
+class TrainerCheckpointWarning(UserWarning):
+    """An optimized Hugging Face model needs ``callbacks=[fxopt.pretrained_checkpoints()]`` in
+    ``Trainer`` for its checkpoints to load with ``from_pretrained``."""
+
+
+def tell_about_trainer_checkpoints(model: nn.Module) -> None:
+    """Say, when ``model`` is a transformers ``PreTrainedModel``, what ``Trainer`` needs to write
+    checkpoints of its optimized module that load as this model.
+
+    ``Trainer`` writes a bare state dict for any module that is not a ``PreTrainedModel`` (the
+    optimized module is a GraphModule): no ``config.json``. ``from_pretrained`` on such a folder
+    builds the class's *default* configuration (a 7B Llama for ``LlamaForCausalLM``), another
+    model, and may exhaust memory doing so. Nothing on the module side can change what
+    ``Trainer`` writes, so this says it when the model is optimized, once per call site
+    (``warnings``: silence it with ``warnings.filterwarnings("ignore",
+    category=fxopt.integrations.hf_trainer.TrainerCheckpointWarning)``)."""
+    if not is_pretrained_model(model) or isinstance(model, PretrainedInterface):
+        return
+    name = type(model).__name__
+    warnings.warn(
+        f"fxopt optimized a {name}. If you train it with transformers.Trainer, pass "
+        "callbacks=[fxopt.pretrained_checkpoints()]: Trainer saves a module that is not a "
+        "PreTrainedModel as a bare state dict without config.json, and "
+        f"{name}.from_pretrained on such a checkpoint builds the default {name} configuration, "
+        "another model. Save the final model with trainer.model.save_pretrained(dir).",
+        TrainerCheckpointWarning, stacklevel=3)
 
 
 def pretrained_checkpoints() -> Any:
