@@ -76,7 +76,7 @@ def runs_at(model: Any, size: int) -> bool:
     """Whether a train-mode forward works at ``BATCH x 3 x size x size`` (on fake tensors)."""
     import torch
 
-    from fxopt.capture.fake_run import on_fake_tensors
+    from fxopt.graph.fake_run import on_fake_tensors
 
     try:
         with on_fake_tensors(model, torch.empty(BATCH, 3, size, size)) as run:

@@ -1,7 +1,7 @@
 """fxopt: rewrite PyTorch models with torch.fx to use less memory, and prove they are unchanged.
 
 Public API only; see README.md for a walkthrough and its architecture section for the layers
-(``core`` -> ``capture`` -> ``analysis`` -> ``planning`` -> ``rewrite`` -> ``verify`` /
+(``core`` -> ``graph`` -> ``capture`` -> ``analysis`` -> ``planning`` -> ``rewrite`` -> ``verify`` /
 ``measure`` -> ``export`` / ``bench`` / ``cli``; ``runtime`` is what optimized modules call;
 ``integrations`` holds what other libraries' training loops need, Hugging Face's ``Trainer``).
 
@@ -27,15 +27,21 @@ from pathlib import Path as _Path
 
 __version__ = "0.1.0"  # pyproject.toml reads it from here (tool.setuptools.dynamic)
 
-# Modules saved with torch.save before the layered packages name these flat modules (their
-# pickles and generated code import e.g. fxopt.regions.call_region): keep them importable.
-# fxopt.core.pretrained moved to fxopt.integrations.hf_trainer with Hugging Face's integration.
+# Modules saved with torch.save before the layered packages (or before a module moved layer)
+# name these modules (their pickles and generated code import e.g. fxopt.regions.call_region):
+# keep them importable. fxopt.core.pretrained moved to fxopt.integrations.hf_trainer with Hugging
+# Face's integration; five capture modules to the graph layer.
 _FLAT_LAYOUT_NAMES = {
     "fxopt.regions": "fxopt.runtime.regions",
     "fxopt.trace": "fxopt.capture.trace",
     "fxopt.report": "fxopt.measure.report",
     "fxopt.pipeline": "fxopt.rewrite.pipeline",
     "fxopt.core.pretrained": "fxopt.integrations.hf_trainer",
+    "fxopt.capture.fake_run": "fxopt.graph.fake_run",
+    "fxopt.capture.meta": "fxopt.graph.meta",
+    "fxopt.capture.train_eval": "fxopt.graph.train_eval",
+    "fxopt.capture.leaf_tape": "fxopt.graph.leaf_tape",
+    "fxopt.capture.leaf_runs": "fxopt.capture.leaf_recording",
 }
 # Packages kept beside fxopt/ in the repository, installed inside it (pyproject's package-dir).
 _BESIDE = {"fxopt.passes": "passes", "fxopt.models_zoo": "models_zoo"}

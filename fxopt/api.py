@@ -20,8 +20,8 @@ from fxopt.analysis.device_memory import measure_device_memory
 from fxopt.analysis.leaf_runs import measure_leaves
 from fxopt.capture.chain import capture as capture_model
 from fxopt.capture.chain import check_capture_option
-from fxopt.capture.meta import drop_autograd_history
-from fxopt.capture.train_eval import refuse_pickling
+from fxopt.graph.meta import drop_autograd_history
+from fxopt.graph.train_eval import refuse_pickling
 from fxopt.core import meta_keys
 from fxopt.core.errors import BudgetError, EquivalenceError, InputError
 from fxopt.core.graphs import placeholder_values
@@ -86,7 +86,7 @@ def optimize(
     ``leaf_modules``: submodule paths to keep as opaque calls, with either frontend. A leaf that
     reads tensor values (``if x.mean() > 0``, ``torch.where`` dispatch) is run for real on the
     example inputs and replays that run in every prediction, so peaks, plans and the report
-    count what it allocates and saves (``fxopt.capture.leaf_tape``); the report says so.
+    count what it allocates and saves (``fxopt.graph.leaf_tape``); the report says so.
     ``fused_optimizer``: the ``FusedOptimizer`` your training steps ``model``'s parameters with
     (``fused = fxopt.fuse_optimizer(model, torch.optim.AdamW, lr=...)``; several in a tuple):
     each gradient is freed at its step in backward, and the checkpoint plan and the predicted

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from fxopt.capture.meta import refresh_meta
+from fxopt.graph.meta import refresh_meta
 from fxopt.planning.causal_mask import SDPA, causal_sdpa_calls, sdpa_argument
 from fxopt.rewrite.pass_base import PassResult, mark_new
 

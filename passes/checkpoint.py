@@ -39,7 +39,7 @@ gets the widest chunk (a power of two up to the device's ``fast_chunk_rows``) wh
 peak stays within the budget (``"min"``: within the plan's predicted peak), since small chunks
 are slow (``fxopt.planning.loss_chunks``). ``stats["loss_chunk_rows"]`` says which.
 
-An opaque leaf (``fxopt.capture.leaf_runs``) is recomputed like any call, with RNG replayed; one
+An opaque leaf (``fxopt.capture.leaf_recording``) is recomputed like any call, with RNG replayed; one
 that writes its inputs in place only together with the node that made that input.
 
 Not handled: graphs already containing checkpointed regions (left as they are: the pass is
@@ -58,9 +58,9 @@ from typing import Any
 from torch import fx
 
 from fxopt.analysis.estimate import estimate_train_peak
-from fxopt.capture.meta import refresh_meta
+from fxopt.graph.meta import refresh_meta
 from fxopt.core.graphs import placeholder_values
-from fxopt.capture.trace import graph_module_like
+from fxopt.graph.graphs import graph_module_like
 from fxopt.core.tensors import format_bytes
 from fxopt.core.torch_private import copy_codegen
 from fxopt.core.training_setup import TrainingSetup

@@ -24,7 +24,7 @@ original, up to float rounding: the mean is over the non-ignored tokens of the w
   ``fxopt.runtime.chunked_loss.LogitsNotComputed`` whose use (``.shape``, indexing, any torch
   function) raises an error that says why. With grad disabled (evaluation under
   ``torch.no_grad()``) they are computed and returned as before, and a model whose eval mode has
-  its own graph (``fxopt.capture.train_eval``) returns them in eval mode. Logits the graph itself
+  its own graph (``fxopt.graph.train_eval``) returns them in eval mode. Logits the graph itself
   computes with (an accuracy, a z-loss), or returns sliced or reshaped, are built as with
   ``"all"``, and the stats say so. ``fxopt.verify`` accepts the placeholder where the original
   returned a tensor: the user asked for it.
@@ -57,9 +57,9 @@ from torch import fx
 
 from fxopt.analysis.token_loss import TokenLoss, find_token_losses, is_assert, is_shape_read
 from fxopt.analysis.estimate import estimate_train_peak
-from fxopt.capture.meta import refresh_meta
+from fxopt.graph.meta import refresh_meta
 from fxopt.core.graphs import placeholder_values
-from fxopt.capture.trace import graph_module_like
+from fxopt.graph.graphs import graph_module_like
 from fxopt.core.errors import ConfigError
 from fxopt.core.torch_private import copy_codegen
 from fxopt.core.training_setup import OUTPUTS, TrainingSetup

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxopt.capture.meta import refresh_meta
+from fxopt.graph.meta import refresh_meta
 from fxopt.core.modules import call_hooks
 from fxopt.planning.inplace import InplacePlanner
 from fxopt.rewrite.pass_base import PassResult, mark_new

@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from fxopt.analysis.writes import overwritten_by_a_user
-from fxopt.capture.meta import refresh_meta
+from fxopt.graph.meta import refresh_meta
 from fxopt.core import meta_keys
 from fxopt.core.errors import ConfigError
 from fxopt.planning.pad_plan import (

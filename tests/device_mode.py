@@ -24,8 +24,7 @@ import torch
 from torch import fx, nn
 
 from fxopt.capture.export_devices import literal_devices
-from fxopt.capture.train_eval import eval_graph
-from fxopt.runtime.regions import CheckpointedRegion
+from fxopt.graph.graphs import graphs_of as all_graphs
 
 ELSEWHERE = "meta"
 
@@ -42,31 +41,10 @@ def default_device_elsewhere(device: str = ELSEWHERE) -> Iterator[None]:
 
 
 def graphs_of(module: nn.Module) -> list[tuple[str, fx.Graph]]:
-    """(where, graph) for every graph ``module`` runs: each GraphModule's own graph and its
-    eval-mode graph, the bodies of its checkpointed regions and the scoped bodies it holds as
-    plain attributes, nested ones included."""
-    found: list[tuple[str, fx.Graph]] = []
-    seen: set[int] = set()
-
-    def visit(where: str, gm: nn.Module) -> None:
-        if not isinstance(gm, fx.GraphModule) or id(gm) in seen:
-            return
-        seen.add(id(gm))
-        found.append((where or "<root>", gm.graph))
-        other = eval_graph(gm)
-        if other is not None:
-            found.append((f"{where or '<root>'} (eval)", other))
-        for name, value in vars(gm).items():
-            if isinstance(value, CheckpointedRegion):
-                visit(f"{where}.{name}.body", value.body)
-            elif isinstance(value, fx.GraphModule):
-                visit(f"{where}.{name}", value)
-        for name, child in gm.named_modules():
-            if name:
-                visit(f"{where}.{name}" if where else name, child)
-
-    visit("", module)
-    return found
+    """(where, graph) for every graph ``module`` runs (``fxopt.graph.graphs.graphs_of``: each
+    GraphModule's own graph and its eval-mode graph, the bodies of its checkpointed regions and
+    the scoped bodies it holds as plain attributes, nested ones included)."""
+    return [(of.where, of.graph) for of in all_graphs(module)]
 
 
 def baked_devices(module: nn.Module, device: torch.device | str = "cpu") -> list[str]:

@@ -12,7 +12,7 @@ from torch import nn
 
 import fxopt
 from fxopt.analysis import estimate_peak
-from fxopt.capture.fake_run import on_fake_tensors
+from fxopt.graph.fake_run import on_fake_tensors
 from fxopt.core.torch_private import FakeTensor
 
 

@@ -232,7 +232,7 @@ def test_saved_through_leaf_modules_and_table_fallback():
     assert gate.internal_bytes == 2 * 4 * 4  # sigmoid's output, inside the leaf: no graph value
     branch = saved[n["branch"]]
     # `if x.sum() > 0` cannot run on fake tensors as it is: it replays its real run on the
-    # example inputs (fxopt.capture.leaf_tape), so autograd itself says what it saves
+    # example inputs (fxopt.graph.leaf_tape), so autograd itself says what it saves
     assert n["branch"].meta["fxopt_leaf"].replays
     assert branch.source == "autograd"
     # the gate's output (3 * sigmoid) is positive, so the tanh branch ran: it saves its output

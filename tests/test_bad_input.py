@@ -323,7 +323,7 @@ def test_a_failed_verification_leaves_the_model_untouched(monkeypatch):
             doubled = gm.graph.call_function(torch.mul, (output.args[0], 2.0))
         doubled.meta["fxopt_pass"] = "wrong"
         output.args = (doubled,)
-        fxopt.capture.meta.refresh_meta(gm)
+        fxopt.graph.meta.refresh_meta(gm)
         return PassResult(gm, True, {})
 
     spec = pass_registry.PassSpec("wrong", wrong, "doubles the output")

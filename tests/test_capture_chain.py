@@ -269,7 +269,7 @@ def test_a_report_saved_before_the_frontend_fields_still_prints():
 
 def test_an_export_captured_module_pickles_with_its_input_guard(tmp_path):
     """The guard is a module attribute read by an importable function, so torch.save keeps it.
-    (A module with a graph per training mode does not pickle: fxopt.capture.train_eval.)"""
+    (A module with a graph per training mode does not pickle: fxopt.graph.train_eval.)"""
     x = torch.randn(2, 5, WIDTH)
     gm = fxopt.optimize(RootMask(), (x,))
     assert gm.fxopt_report.trace.frontend == "export"

@@ -5,8 +5,8 @@ import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxopt.capture.fake_run import fake_copy
-from fxopt.capture.meta import propagate_meta
+from fxopt.graph.fake_run import fake_copy
+from fxopt.graph.meta import propagate_meta
 from fxopt.core.tensors import (
     allocated_bytes,
     device_of,

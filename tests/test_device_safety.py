@@ -398,7 +398,7 @@ def test_opaque_leaves_replay_where_the_module_is(replays):
     recorded answers and outputs are made there, and the peak and saved bytes of a stand-in on
     its outputs' device."""
     from fxopt.analysis.leaf_runs import measure_leaves
-    from fxopt.capture.leaf_tape import leaf_records, leaves_replayed
+    from fxopt.graph.leaf_tape import leaf_records, leaves_replayed
 
     torch.manual_seed(0)
     model = Routed()

@@ -449,8 +449,8 @@ def test_rebuilt_modules_keep_the_constants_only_the_eval_graph_reads():
     torch.fx once turned the eval graph's arange/tril of constant sizes into constants of their
     own; since their device follows a parameter (fxopt.capture.export_devices), they stay ops,
     so the eval graph's constant here is one torch.export lifted from an eval-only branch.)"""
-    from fxopt.capture.trace import graph_module_like
-    from fxopt.capture.train_eval import eval_graph
+    from fxopt.graph.graphs import graph_module_like
+    from fxopt.graph.train_eval import eval_graph
     from fxopt.core.torch_private import copy_codegen
 
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from torch import nn
 
 import fxopt
 from fxopt.capture.chain import capture
-from fxopt.capture.leaf_tape import leaf_records, opaque_leaves
+from fxopt.graph.leaf_tape import leaf_records, opaque_leaves
 from fxopt.core.errors import TraceError
 from fxopt.core.inputs import check_inputs
 from fxopt.models_zoo.leaves import olmoe_eager_experts

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxopt
-from fxopt.capture.train_eval import has_eval_graph, same_graph
+from fxopt.graph.train_eval import has_eval_graph, same_graph
 from fxopt.runtime.regions import CheckpointedRegion
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from fxopt.capture.export_frontend import capture_with_export
 from fxopt.capture.trace import trace
-from fxopt.capture.train_eval import eval_graph
+from fxopt.graph.train_eval import eval_graph
 from fxopt.core.tensors import storage_key
 from fxopt.verify import verify
 from fxopt.passes.inplace_activations import _TORCH_TO_INPLACE, PASS_NAME, inplace_activations

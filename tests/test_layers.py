@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["runtime", "core", "capture", "analysis", "planning", "rewrite", "passes", "verify",
-          "measure", "export", "api", "bench", "cli", "package"]
+LAYERS = ["runtime", "core", "graph", "capture", "analysis", "planning", "rewrite", "passes",
+          "verify", "measure", "export", "api", "bench", "cli", "package"]
 API_MODULES = {"fxopt.api", "fxopt.check", "fxopt.testing", "fxopt.integrations"}
 
 
@@ -211,3 +211,29 @@ def test_meta_keys_are_spelled_only_in_core_meta_keys():
     assert found == {}
     assert meta_key_literals('node.meta["fxopt_pass"] = "x"\n"""a ``fxopt_pass`` doc"""\n',
                              keys) == ["line 1: 'fxopt_pass'"]
+
+
+# What capture and the analyses write into ``meta`` and a pass may read; a pass writes only its
+# provenance (``PASS``, through ``fxopt.rewrite.pass_base.mark_new``).
+META_A_PASS_MAY_READ = {"NN_MODULE_STACK", "SAVED", "META_SOURCE", "LEAF", "TRACE", "EXPORT"}
+
+
+def test_no_pass_reads_what_another_pass_leaves_in_meta():
+    """Decisions travel between passes through the graph itself (a call's arguments), never
+    through a meta key one pass writes and another reads (issue 34: the chunked loss's chunk
+    size went through one)."""
+    from fxopt.core import meta_keys
+
+    constants = {name for name, value in vars(meta_keys).items()
+                 if name.isupper() and isinstance(value, str)}
+    used = {}
+    for path in sorted((ROOT / "passes").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                 and isinstance(node.value, ast.Name) and node.value.id == "meta_keys"
+                 and node.attr in constants}
+        names |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                  and node.module == "fxopt.core.meta_keys" for alias in node.names}
+        if names - META_A_PASS_MAY_READ:
+            used[path.name] = sorted(names - META_A_PASS_MAY_READ)
+    assert used == {}

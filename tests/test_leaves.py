@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import fxopt
 from fxopt.analysis.leaf_runs import leaf_lines, record_leaf_memory
 from fxopt.analysis.writes import overwritten_inputs
-from fxopt.capture.leaf_tape import leaf_records
+from fxopt.graph.leaf_tape import leaf_records
 from fxopt.capture.trace import trace
 from fxopt.core.errors import InputError
 from fxopt.planning.checkpoint_problem import build_problem

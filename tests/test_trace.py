@@ -214,7 +214,7 @@ class StochasticBlock(nn.Module):
 
 
 def test_mode_dependent_forward_keeps_an_eval_graph():
-    from fxopt.capture.train_eval import has_eval_graph
+    from fxopt.graph.train_eval import has_eval_graph
 
     model, x = StochasticBlock(), torch.randn(3, 4)
     gm = trace(model, x)

@@ -35,7 +35,7 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxopt.analysis.node_timing import forward_seconds, region_overhead
-from fxopt.capture.meta import propagate_meta
+from fxopt.graph.meta import propagate_meta
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.tensors import graph_device, tensor_bytes
 from fxopt.core.torch_private import TorchDispatchMode

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxopt.capture.fake_run import on_fake_tensors, opaque_leaves_stood_in, training_flags
+from fxopt.graph.fake_run import on_fake_tensors, opaque_leaves_stood_in, training_flags
 from fxopt.core.step import training_step
 from fxopt.core.tensors import allocated_bytes, tensors_in
 from fxopt.core.torch_private import TorchDispatchMode, tree_map_only

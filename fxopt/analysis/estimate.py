@@ -1,7 +1,7 @@
 """Predicted peak memory of a training step and of inference, without real compute.
 
 ``estimate_peak(module, example_inputs)`` runs the module -- a GraphModule or any nn.Module -- on
-fake tensors (``fxopt.capture.fake_run``: fake parameters that require grad as the real ones do, fake
+fake tensors (``fxopt.graph.fake_run``: fake parameters that require grad as the real ones do, fake
 buffers, fake inputs) under ``LiveStorageTracker``, the same tracker ``fxopt.measure`` counts real
 CPU runs with. The training figure runs ``fxopt.core.step.training_step`` itself in train mode
 (forward, then backward from what ``fxopt.core.step.step_loss`` picks: the model's own loss when
@@ -25,7 +25,7 @@ to the dispatcher on CPU and on fakes alike), the CUDA allocator's caching and i
 the baseline (counted as ``fxopt.core.tensors.storage_bytes``; what the step allocates is
 rounded, see ``fxopt.analysis.memtrack``), and opaque leaves (``meta["fxopt_meta_source"] ==
 "real"``) at other input sizes than the example inputs they were run on for real. Such a leaf
-replays that real run on the fakes (``fxopt.capture.leaf_tape``): its ops allocate, save and free
+replays that real run on the fakes (``fxopt.graph.leaf_tape``): its ops allocate, save and free
 as they did for real, so it is counted like any other node; where the replay cannot go through,
 the figures measured inside it on the real run stand in (``fxopt.analysis.leaf_runs``).
 
@@ -50,7 +50,7 @@ from fxopt.analysis.fused_gradients import (
     fused_steps_on_fakes,
 )
 from fxopt.analysis.memtrack import LiveStorageTracker, tag_live
-from fxopt.capture.fake_run import (
+from fxopt.graph.fake_run import (
     on_fake_tensors,
     opaque_leaves_stood_in,
     training_flags,

@@ -1,8 +1,8 @@
 """The memory an opaque leaf takes, measured inside it on a real run and on its fake replay.
 
 An opaque leaf that cannot run on fake tensors is recorded on a real run at capture
-(``fxopt.capture.leaf_runs``) and replays that run in every fake-tensor analysis
-(``fxopt.capture.leaf_tape``). ``record_leaf_memory(gm, example_inputs)`` measures, for each
+(``fxopt.capture.leaf_recording``) and replays that run in every fake-tensor analysis
+(``fxopt.graph.leaf_tape``). ``record_leaf_memory(gm, example_inputs)`` measures, for each
 such leaf, the figures a reader of a report wants to check: the peak of storage allocated inside
 its forward (above what was live when it was called: temporaries, outputs and what it saves),
 the bytes it saves for backward beyond its inputs, parameters and buffers, and its outputs'
@@ -34,8 +34,8 @@ from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from fxopt.analysis.memtrack import LiveStorageTracker
-from fxopt.capture.fake_run import on_fake_tensors, training_flags
-from fxopt.capture.leaf_tape import LeafRecord, forwards_patched, leaf_records, opaque_leaves
+from fxopt.graph.fake_run import on_fake_tensors, training_flags
+from fxopt.graph.leaf_tape import LeafRecord, forwards_patched, leaf_records, opaque_leaves
 from fxopt.core import meta_keys
 from fxopt.core.state import preserved_state
 from fxopt.core.tensors import format_bytes, storage_bytes, storage_key, tensors_in

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxopt.capture.fake_run import training_flags
+from fxopt.graph.fake_run import training_flags
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.state import preserved_state
 from fxopt.core.tensors import graph_device, random_like, tensors_in

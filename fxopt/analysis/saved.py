@@ -1,7 +1,7 @@
 """Which tensors autograd saves for backward at each node, asked of autograd itself.
 
 ``saved_for_backward(gm, example_inputs)`` interprets the graph once on fake tensors (parameters
-swapped for fake copies that require grad as the real ones do; see ``fxopt.capture.fake_run``) with
+swapped for fake copies that require grad as the real ones do; see ``fxopt.graph.fake_run``) with
 ``torch.autograd.graph.saved_tensors_hooks`` active around each node's execution. Every tensor
 autograd packs is matched by storage identity against the graph's values and the module's
 parameters and buffers; what matches nothing is "internal" (BatchNorm's mean/invstd, the dropout
@@ -14,7 +14,7 @@ training step would: a Linear whose input needs no grad does not keep its weight
 parameters, buffers, ``.grad`` and the RNG are untouched.
 
 An opaque leaf reading tensor values replays its real run on the example inputs
-(``fxopt.capture.leaf_tape``), so autograd is asked about it like any node. A node whose fake
+(``fxopt.graph.leaf_tape``), so autograd is asked about it like any node. A node whose fake
 execution still fails (such a leaf with no recorded run) falls back to a small hand table (``source="table"``): activations save their output, Linear/conv their input,
 BatchNorm its input plus mean/invstd, dropout a mask, max-pool indices; anything else is assumed
 to save its tensor inputs. Its output is rebuilt from ``meta["val"]``.
@@ -44,7 +44,7 @@ import torch
 from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
 
-from fxopt.capture.fake_run import FakeRun, fake_copy, on_fake_tensors, training_flags
+from fxopt.graph.fake_run import FakeRun, fake_copy, on_fake_tensors, training_flags
 from fxopt.core import meta_keys
 from fxopt.core.errors import TraceError
 from fxopt.core.tensors import storage_bytes, storage_key, tensors_in
@@ -141,7 +141,7 @@ class _Recorder(fx.Interpreter):
                 f"node {n.name} cannot run on fake tensors and has no meta['val'] to stand in: "
                 f"{type(error).__name__}: {error}",
                 where=f"node {n.name} ({n.op} {n.target})",
-                hint="call fxopt.capture.meta.refresh_meta(gm) after editing the graph",
+                hint="call fxopt.graph.meta.refresh_meta(gm) after editing the graph",
             ) from error
         inputs = tensors_in(self.fetch_args_kwargs_from_env(n))
         grad = any(t.requires_grad for t in inputs)

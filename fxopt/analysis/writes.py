@@ -13,7 +13,7 @@ recomputes nodes.
 - an ATen operator (torch.export's graphs): every argument its schema marks as written
   (``Tensor(a!)``: ``aten.leaky_relu_``'s input, ``aten.copy_``'s destination).
 
-- an opaque leaf recorded on a real run (``node.meta["fxopt_leaf"]``, ``fxopt.capture.leaf_tape``):
+- an opaque leaf recorded on a real run (``node.meta["fxopt_leaf"]``, ``fxopt.graph.leaf_tape``):
   the inputs whose version counter that run bumped.
 
 Decided from the call alone (names and flags), not from a run, except for recorded leaves: an

@@ -19,8 +19,8 @@ runs ``forward`` as ordinary Python on fake tensors, so both are captured, down 
   positionally, keyword arguments by keyword), since a decorator may tell them apart;
 - has one graph per training mode: the model is exported with every module in train mode and
   again in eval mode; when the graphs differ the module dispatches on ``self.training``
-  (``fxopt.capture.train_eval``), so ``.train()`` / ``.eval()`` switch dropout and BatchNorm;
-- carries ``meta["val"]`` on every node (``fxopt.capture.meta.propagate_meta``) and
+  (``fxopt.graph.train_eval``), so ``.train()`` / ``.eval()`` switch dropout and BatchNorm;
+- carries ``meta["val"]`` on every node (``fxopt.graph.meta.propagate_meta``) and
   ``meta["fxopt_trace"]`` (a ``TraceInfo``: frontend "export", no leaves, ``mode_dependent``) and
   ``meta["fxopt_export"]`` (an ``ExportInfo``: which input sizes stayed dynamic, whether a
   batch of 1 is served, why a way of exporting was given up).
@@ -116,10 +116,11 @@ from fxopt.capture.export_signature import (
 )
 from fxopt.capture.export_devices import follow_devices
 from fxopt.capture.export_leaves import exported_keeping_leaves
-from fxopt.capture.fake_run import module_state, training_flags
-from fxopt.capture.leaf_runs import record_leaf_runs
+from fxopt.graph.fake_run import module_state, training_flags
+from fxopt.capture.leaf_recording import record_leaf_runs
 from fxopt.capture.recipes import Unsupported, build, emit, extract, flatten, leaf_paths
-from fxopt.capture.trace import LeafFallback, TraceInfo, graph_module_like
+from fxopt.capture.trace import LeafFallback, TraceInfo
+from fxopt.graph.graphs import graph_module_like
 from fxopt.capture.trace_checks import (
     UserCheckpoint,
     in_words,
@@ -127,7 +128,7 @@ from fxopt.capture.trace_checks import (
     user_checkpoints_refused,
     user_frame,
 )
-from fxopt.capture.train_eval import eval_module_on, install_eval_graph, same_graph
+from fxopt.graph.train_eval import eval_module_on, install_eval_graph, same_graph
 from fxopt.core import meta_keys
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy

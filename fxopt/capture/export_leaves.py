@@ -4,7 +4,7 @@ torch.export runs ``forward`` on fake tensors and stops at code that reads tenso
 eager mixture-of-experts loop (``for expert in mask.nonzero(): ...``, OLMoE's experts in
 transformers), ``if x.mean() > 0``. When such code sits in a submodule, the rest of the model
 can still be exported: ``OpaqueLeaves(shell, paths)`` runs the model once for real to record
-each leaf's calls (``fxopt.capture.leaf_tape.recorded_call``), and while export runs
+each leaf's calls (``fxopt.graph.leaf_tape.recorded_call``), and while export runs
 (``exporting()``) each leaf's forward is one call of the custom operator
 ``fxopt::opaque_leaf(key, tensors) -> tensors``, whose fake implementation returns outputs laid
 out like the recorded ones (a size equal to one of the inputs' sizes is that input's size, so
@@ -12,7 +12,7 @@ dynamic sizes stay dynamic). After unlifting, ``restore_calls(graph)`` turns eac
 call back into ``call_module(path, args, kwargs)`` on the leaf itself, so the captured module
 calls the submodule as written (its parameters the user's, its Python run eagerly) and fxopt
 treats it as any opaque leaf: run for real on the example inputs and replayed on fakes
-(``fxopt.capture.leaf_runs``), checkpointed whole or around.
+(``fxopt.capture.leaf_recording``), checkpointed whole or around.
 
 ``failing_submodule(shell, error)`` finds, in a failed export's traceback, the innermost
 submodule whose forward was running: the one to keep opaque.
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.capture.leaf_tape import (
+from fxopt.graph.leaf_tape import (
     LeafCall,
     TensorSpec,
     forwards_patched,

@@ -26,7 +26,7 @@ str). Plain values and the parameters left out at the end (which take their defa
 specialised: the traced module asserts it gets the same value. A bare dict is refused as
 ambiguous (see ``check_inputs``).
 
-Code that depends on ``self.training`` is traced in both modes: see ``fxopt.capture.train_eval``.
+Code that depends on ``self.training`` is traced in both modes: see ``fxopt.graph.train_eval``.
 A model whose forward returns an ``OrderedDict`` returns one from the traced module too.
 
 Not handled: keyword-only arguments without defaults, and models whose forward reads module
@@ -44,7 +44,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from fxopt.capture.leaf_runs import record_leaf_runs
+from fxopt.capture.leaf_recording import record_leaf_runs
 from fxopt.capture.trace_checks import (
     check_state_kept,
     propagate_meta_explained,
@@ -53,23 +53,12 @@ from fxopt.capture.trace_checks import (
     user_checkpoints_refused,
     user_frame,
 )
-from fxopt.capture.train_eval import (
-    dispatched_eval_module,
-    install_eval_graph,
-    same_graph,
-)
+from fxopt.graph.graphs import graph_module_like
+from fxopt.graph.train_eval import install_eval_graph, same_graph
 from fxopt.core import meta_keys
 from fxopt.core.errors import TraceError
 from fxopt.core.inputs import check_inputs, concrete_args
-from fxopt.core.modules import (
-    call_hooks,
-    copy_hooks,
-    deepcopy_keeping_hooks,
-    set_instance_method,
-    has_hooks,
-    share_tree,
-    structural_copy,
-)
+from fxopt.core.modules import call_hooks, has_hooks, structural_copy
 from fxopt.runtime.chunked_loss import CHUNKED_LOSS_CALLS
 from fxopt.runtime.devices import on_device, tensor_device
 from fxopt.runtime.input_guard import InputGuard, guard_inputs
@@ -98,7 +87,7 @@ class TraceInfo:
 
     leaves: list[LeafFallback] = field(default_factory=list)
     seconds: float = 0.0
-    # True when forward's Python code depends on self.training (see fxopt.capture.train_eval)
+    # True when forward's Python code depends on self.training (see fxopt.graph.train_eval)
     mode_dependent: bool = False
     frontend: str = "fx"
     not_used: tuple[tuple[str, str], ...] = ()
@@ -173,39 +162,6 @@ class _FallbackTracer(fx.Tracer):
             if name is not None:
                 return self.create_node("get_attr", name, (), {})
         return super().create_arg(a)
-
-
-def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
-    """A GraphModule whose module tree *is* ``shell``'s, so state_dict keys and order match.
-
-    fx would otherwise copy only the attributes the graph uses (dropping unused parameters, and
-    modules only reached through a checkpointed region) and register tracer constants as buffers
-    (adding state_dict keys). Plain attributes the graph reads stay plain attributes, and so do
-    those the eval-mode graph reads when ``graph``'s code dispatches on ``self.training``
-    (``fxopt.capture.train_eval``): that graph runs with the new module as ``self``, so a
-    constant only it reads (a mask the eval graph built) must be there too. ``shell``'s own hooks
-    are copied: tracing ran its ``forward``, not its hooks, which must run when the GraphModule
-    is called.
-    """
-    gm = fx.GraphModule(shell, graph, class_name=type(shell).__name__)
-    constants = {n.target: operator.attrgetter(n.target)(gm) for n in graph.nodes
-                 if n.op == "get_attr"}
-    eval_module = dispatched_eval_module(graph)
-    if eval_module is not None:  # code only: what its graph reads is on ``shell``
-        for node in eval_module.graph.find_nodes(op="get_attr"):
-            if node.target not in constants:
-                constants[node.target] = operator.attrgetter(node.target)(shell)
-    share_tree(gm, shell)
-    for target, value in constants.items():
-        owner_path, _, name = target.rpartition(".")
-        owner = gm.get_submodule(owner_path)
-        if not hasattr(owner, name):
-            # A tracer-made constant: a plain attribute, not a buffer, so not in state_dict.
-            object.__setattr__(owner, name, value)
-    gm.training = shell.training  # submodules keep their own flags (a frozen BN stays in eval)
-    copy_hooks(shell, gm)
-    set_instance_method(gm, "__deepcopy__", deepcopy_keeping_hooks)
-    return gm
 
 
 def _trace_both_modes(shell: nn.Module, forced: set[str], concrete: dict[str, Any],

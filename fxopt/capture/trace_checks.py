@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import fx, nn
 
-from fxopt.capture.meta import propagate_meta
+from fxopt.graph.meta import propagate_meta
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import own_tensors
 from fxopt.core.state import preserved_state

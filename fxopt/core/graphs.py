@@ -1,7 +1,7 @@
 """Reading a captured graph: what every layer asks of a GraphModule without running it.
 
 Capture stores each node's value on fake tensors in ``node.meta["val"]``
-(``fxopt.capture.meta``); these helpers only read that.
+(``fxopt.graph.meta``); these helpers only read that.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ value holds; code uses the constants, never the strings.
 - ``META_SOURCE`` (``"fxopt_meta_source"``): ``"real"`` when the node's ``meta["val"]`` came
   from a real run (an opaque leaf that cannot run on fake tensors); absent for fake runs.
 - ``LEAF`` (``"fxopt_leaf"``): an opaque leaf's recorded real run(s)
-  (``fxopt.capture.leaf_tape``).
+  (``fxopt.graph.leaf_tape``).
 - ``NN_MODULE_STACK`` (``"nn_module_stack"``, torch's own): the modules the node runs in,
   ``{key: (path, kind)}`` outermost first, ``kind`` a class (symbolic tracing) or its qualified
   name (torch.export). Read it with ``module_stack(node)``.

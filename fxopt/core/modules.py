@@ -119,7 +119,7 @@ def deepcopy_keeping_hooks(module: fx.GraphModule, memo: dict) -> fx.GraphModule
 
 
 # What fxopt sets on a GraphModule's own class (``deepcopy_keeping_hooks``, the eval-mode
-# graph's deep copy and pickling refusal in ``fxopt.capture.train_eval``).
+# graph's deep copy and pickling refusal in ``fxopt.graph.train_eval``).
 _PER_INSTANCE_CLASS_METHODS = ("__deepcopy__", "__reduce__")
 
 

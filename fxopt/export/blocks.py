@@ -20,16 +20,16 @@ from collections.abc import Sequence
 
 from torch import fx
 
-from fxopt.capture.train_eval import eval_graph
+from fxopt.graph.graphs import graphs_of
 from fxopt.core.torch_private import copy_codegen
 
 _NUMBERED = re.compile(r"_\d+$")  # the suffix fx's namespace adds to make a name unique
 
 
-def graphs_of(gm: fx.GraphModule) -> list[fx.Graph]:
-    """``gm``'s graph, and its eval-mode graph when it has one (``fxopt.capture.train_eval``)."""
-    in_eval = eval_graph(gm)
-    return [gm.graph] if in_eval is None else [gm.graph, in_eval]
+def own_graphs(gm: fx.GraphModule) -> list[fx.Graph]:
+    """``gm``'s graph, and its eval-mode graph when it has one: the code its class is written
+    from (``fxopt.graph.graphs.graphs_of`` without the modules below it or the bodies)."""
+    return [of.graph for of in graphs_of(gm, nested=False, bodies=False)]
 
 
 def graph_modules(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
@@ -37,7 +37,7 @@ def graph_modules(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
     the order they are first called."""
     found = [("", gm)]
     for path, module in found:  # grows while it is walked: blocks nested in blocks
-        for graph in graphs_of(module):
+        for graph in own_graphs(module):
             for node in graph.find_nodes(op="call_module"):
                 called = module.get_submodule(node.target)
                 if isinstance(called, fx.GraphModule) and all(m is not called for _, m in found):

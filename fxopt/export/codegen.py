@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.capture.train_eval import dispatch_to_method, eval_graph
+from fxopt.graph.train_eval import dispatch_to_method, eval_graph
 from fxopt.core.errors import ExportError
 from fxopt.export.blocks import (
     graph_modules,
-    graphs_of,
+    own_graphs,
     input_names,
     renamed,
     shared_input_names,
@@ -56,7 +56,7 @@ from fxopt.runtime.input_guard import InputGuard
 from fxopt.runtime.regions import CheckpointedRegion
 
 # The method an exported module runs in eval mode when its forward depends on self.training
-# (see fxopt.capture.train_eval): the eval-mode graph, generated like forward.
+# (see fxopt.graph.train_eval): the eval-mode graph, generated like forward.
 EVAL_METHOD = "_forward_eval"
 
 HEADER = '''\
@@ -323,13 +323,13 @@ def _block_classes(blocks: list[tuple[str, fx.GraphModule]], classes: _Classes,
 
 
 def _block_methods(path: str, block: fx.GraphModule, inputs: list[str], imports: Imports) -> str:
-    graphs = [renamed(graph, path, inputs) for graph in graphs_of(block)]
+    graphs = [renamed(graph, path, inputs) for graph in own_graphs(block)]
     return _methods(graphs[0], graphs[1] if len(graphs) > 1 else None, imports, f"block {path}")
 
 
 def _attributes(gm: fx.GraphModule) -> dict[str, Any]:
     """target -> value of every attribute ``gm``'s graphs read."""
-    return {n.target: operator.attrgetter(n.target)(gm) for graph in graphs_of(gm)
+    return {n.target: operator.attrgetter(n.target)(gm) for graph in own_graphs(gm)
             for n in graph.find_nodes(op="get_attr")}
 
 
@@ -355,7 +355,7 @@ def generate(gm: fx.GraphModule, class_name: str) -> Generated:
     for _, module in modules:  # a region's body reads the state by its path from the root
         bodies = [v.body.graph for v in _attributes(module).values()
                   if isinstance(v, CheckpointedRegion)]
-        called |= called_modules(module, graphs_of(module)) | called_modules(gm, bodies)
+        called |= called_modules(module, own_graphs(module)) | called_modules(gm, bodies)
     tree = TreeWriter(imports, called, _block_classes(modules[1:], classes, imports))
     tree.module(gm)
     regions = sum(_attach(path, module, tree, classes) for path, module in modules)

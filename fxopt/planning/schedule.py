@@ -31,7 +31,7 @@ from fxopt.core.training_setup import TrainingSetup
 from fxopt.analysis.randomness import draws_random_numbers
 from fxopt.analysis.writes import overwritten_inputs
 from fxopt.core.graphs import placeholder_values
-from fxopt.capture.trace import graph_module_like
+from fxopt.graph.graphs import graph_module_like
 from fxopt.core.tensors import storage_bytes
 from fxopt.core.torch_private import copy_codegen
 

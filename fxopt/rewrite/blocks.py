@@ -14,7 +14,7 @@ A checkpointed region lies in one block (the planner sees to it), so its call mo
 block with it. What a block reads that is not its own (a rotary table the root computes, a
 tied weight, a size) the root graph passes in. A module with a graph per training mode has both
 graphs nested, and each block dispatches on its own ``training`` flag the way the root does
-(``fxopt.capture.train_eval``); the block takes the inputs of both modes, ``None`` for those the
+(``fxopt.graph.train_eval``); the block takes the inputs of both modes, ``None`` for those the
 other mode does not read.
 
 When it is safe: always, as a regrouping of the same nodes into one call. Nodes that sit between
@@ -35,12 +35,12 @@ from torch import fx, nn
 
 from fxopt.analysis.blocks import node_blocks
 from fxopt.analysis.writes import overwritten_inputs
-from fxopt.capture.train_eval import (
+from fxopt.graph.train_eval import (
     eval_graph,
     install_eval_graph,
     replace_eval_graph,
 )
-from fxopt.capture.trace import graph_module_like
+from fxopt.graph.graphs import graph_module_like
 from fxopt.core import meta_keys
 from fxopt.core.modules import (
     own_children,

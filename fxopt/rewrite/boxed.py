@@ -12,7 +12,7 @@ caller keeps no reference (``boxed([load_batch()])``), and in training only for 
 does not save (an input fed straight to a convolution with trainable weights is saved anyway).
 
 Not handled: a module whose generated code is not plain torch.fx code -- a forward that depends
-on ``self.training`` (``fxopt.capture.train_eval``) or takes pytree-structured arguments -- raises
+on ``self.training`` (``fxopt.graph.train_eval``) or takes pytree-structured arguments -- raises
 ``ConfigError`` rather than lose its eval-mode path or its argument handling.
 """
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from fxopt.capture.trace import graph_module_like
-from fxopt.capture.train_eval import has_eval_graph
+from fxopt.graph.graphs import graph_module_like
+from fxopt.graph.train_eval import has_eval_graph
 from fxopt.core.errors import ConfigError
 from fxopt.core.torch_private import boxed_codegen, codegen_of, has_plain_codegen
 

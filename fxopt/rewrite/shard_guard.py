@@ -11,30 +11,20 @@ half-way with torch's "mixed torch.Tensor and DTensor" error.
 ``refuse_uncalled_shards`` is a forward pre-hook ``fxopt.optimize`` registers on the module it
 returns (``guard_shards``): it raises ``ConfigError`` naming each such module before the forward
 runs, and says what to shard instead. Without an initialized ``torch.distributed`` process group
-it returns at once; with one, it walks the module tree on each call (and the graphs, once per
-graph). The modules a graph calls are read from the graphs themselves, so a copy, a loaded
+it returns at once; with one, it walks the module tree and the graphs on each call. The modules a graph calls are read from the graphs themselves, so a copy, a loaded
 checkpoint or a replaced submodule is judged as it is.
 """
 
 from __future__ import annotations
 
-import operator
-import weakref
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from fxopt.capture.train_eval import eval_graph
 from fxopt.core.errors import ConfigError
 from fxopt.core.torch_private import forward_pre_hooks
-from fxopt.runtime.regions import CheckpointedRegion
-
-# graph -> (the modules it calls, the modules the regions it calls call): graphs do not change
-# once optimize returns
-_CALLED: weakref.WeakKeyDictionary[fx.Graph, tuple[frozenset[str], frozenset[str]]] = (
-    weakref.WeakKeyDictionary())
-
+from fxopt.graph.graphs import REGION, graphs_of
 
 def guard_shards(gm: fx.GraphModule) -> None:
     """Register ``refuse_uncalled_shards`` on ``gm`` (once: a module optimized again keeps
@@ -71,38 +61,14 @@ def refuse_uncalled_shards(module: nn.Module, args: Any) -> None:
 
 def called_paths(gm: fx.GraphModule) -> frozenset[str]:
     """The paths of the modules ``gm``'s graphs call as modules (FSDP2's hooks run around
-    those calls): the root, the blocks, the leaf modules called, in every graph module under
-    ``gm`` (both training modes), and in checkpointed regions' bodies (whose targets are
-    paths from the root)."""
+    those calls): the root, the blocks, the leaf modules called, in every graph of ``gm``
+    (``fxopt.graph.graphs.graphs_of``: both training modes, every GraphModule under it, and
+    the bodies of checkpointed regions, whose targets are paths from the root)."""
     called = {""}
-    for path, sub in gm.named_modules():
-        if isinstance(sub, fx.GraphModule):
-            own, from_root = _graph_calls(sub)
-            called |= {f"{path}.{t}" if path else t for t in own} | from_root
+    for of in graphs_of(gm):
+        for node in of.graph.find_nodes(op="call_module"):
+            if of.kind == REGION or not of.path:
+                called.add(node.target)
+            else:
+                called.add(f"{of.path}.{node.target}")
     return frozenset(called)
-
-
-def _graph_calls(gm: fx.GraphModule) -> tuple[frozenset[str], frozenset[str]]:
-    """The call_module targets of ``gm``'s graphs, and those of the regions they call."""
-    own: set[str] = set()
-    from_root: set[str] = set()
-    for graph in [gm.graph, *filter(None, [eval_graph(gm)])]:
-        if graph not in _CALLED:
-            targets = frozenset(n.target for n in graph.find_nodes(op="call_module"))
-            reads = [_read(gm, n.target) for n in graph.find_nodes(op="get_attr")]
-            in_regions = frozenset(n.target for body in reads
-                                   if isinstance(body, CheckpointedRegion)
-                                   for n in body.body.graph.find_nodes(op="call_module"))
-            _CALLED[graph] = (targets, in_regions)
-        own |= _CALLED[graph][0]
-        from_root |= _CALLED[graph][1]
-    return frozenset(own), frozenset(from_root)
-
-
-def _read(gm: fx.GraphModule, target: str) -> Any:
-    """What a get_attr of ``target`` reads, or None where ``gm`` lacks it (an eval-mode
-    graph's constant held by its own code-only module)."""
-    try:
-        return operator.attrgetter(target)(gm)
-    except AttributeError:
-        return None

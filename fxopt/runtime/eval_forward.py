@@ -1,6 +1,6 @@
 """The eval-mode graph a module with a graph per training mode calls when ``training`` is False.
 
-``fxopt.capture.train_eval`` installs, in front of the train-mode graph's generated ``forward``,
+``fxopt.graph.train_eval`` installs, in front of the train-mode graph's generated ``forward``,
 ``if not self.training: return fxopt_eval_forward(self, ...)``; ``fxopt_eval_forward`` is an
 ``EvalForward``: the eval-mode graph's code run with the optimized module as ``self``, so both
 graphs use the same submodules, parameters and buffers. The eval-mode module is code only

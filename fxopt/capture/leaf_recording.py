@@ -4,7 +4,7 @@
 leaves that could not run on fake tensors (``meta["fxopt_meta_source"] == "real"``) it runs the
 whole captured module for real twice on the example inputs -- a training forward (train mode,
 grad enabled) and an inference forward (eval mode, no grad) -- and records each call of each such
-leaf (``fxopt.capture.leaf_tape.LeafCall``: every op's outputs, the leaf's outputs, the inputs
+leaf (``fxopt.graph.leaf_tape.LeafCall``: every op's outputs, the leaf's outputs, the inputs
 it wrote in place). The record goes on every node that calls the leaf
 (``node.meta["fxopt_leaf"]``), shapes are propagated again with the leaves replaying their
 records, and one fake training step and one fake inference forward check that the replay goes
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.capture.fake_run import on_fake_tensors, training_flags
-from fxopt.capture.leaf_tape import (
+from fxopt.graph.fake_run import on_fake_tensors, training_flags
+from fxopt.graph.leaf_tape import (
     META_KEY,
     LeafRecord,
     forwards_patched,
@@ -37,7 +37,7 @@ from fxopt.capture.leaf_tape import (
     opaque_leaves,
     recorded_call,
 )
-from fxopt.capture.meta import propagate_meta
+from fxopt.graph.meta import propagate_meta
 from fxopt.core import meta_keys
 from fxopt.core.state import preserved_state
 from fxopt.core.step import training_step

@@ -11,8 +11,8 @@ x.sum() > 0``) is run once for real on a deep copy, with random inputs of the ri
 forked RNG; its outputs are converted back to fake tensors and the node is marked
 ``meta["fxopt_meta_source"] = "real"``. Output shapes that depend on input *values* are then only
 as good as that one sample -- until capture records the leaf's real run on the example inputs
-(``fxopt.capture.leaf_runs``): from then on the leaf replays that record on fakes
-(``fxopt.capture.leaf_tape``), or, where the replay fails, gets the recorded outputs.
+(``fxopt.capture.leaf_recording``): from then on the leaf replays that record on fakes
+(``fxopt.graph.leaf_tape``), or, where the replay fails, gets the recorded outputs.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxopt.capture.fake_run import fake_copy, reparametrized
-from fxopt.capture.leaf_tape import leaves_replayed, recorded_outputs
-from fxopt.capture.train_eval import eval_graph
+from fxopt.graph.fake_run import fake_copy, reparametrized
+from fxopt.graph.leaf_tape import leaves_replayed, recorded_outputs
+from fxopt.graph.graphs import graphs_of
 from fxopt.core import meta_keys
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.state import preserved_rng
@@ -138,7 +138,7 @@ def drop_autograd_history(gm: fx.GraphModule) -> None:
     need views and histories run the graph again on fakes.
     """
     seen: set[int] = set()
-    for graph in _graphs_of(gm):
+    for graph in (found.graph for found in graphs_of(gm)):
         if id(graph) in seen:
             continue
         seen.add(id(graph))
@@ -152,18 +152,3 @@ def _without_history(value: torch.Tensor) -> torch.Tensor:
         return value
     with value.fake_mode if hasattr(value, "fake_mode") else contextlib.nullcontext():
         return value.detach().requires_grad_(value.requires_grad)
-
-
-def _graphs_of(gm: fx.GraphModule) -> list[fx.Graph]:
-    graphs = []
-    for module in gm.modules():
-        if isinstance(module, fx.GraphModule):
-            graphs.append(module.graph)
-            extra = eval_graph(module)
-            if extra is not None:
-                graphs.append(extra)
-        for value in vars(module).values():
-            body = getattr(value, "body", value)
-            if isinstance(body, fx.GraphModule):
-                graphs.append(body.graph)
-    return graphs

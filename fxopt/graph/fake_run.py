@@ -18,7 +18,7 @@ A chunked LM loss (``fxopt.runtime.chunked_loss``) runs three of its chunks on f
 observed is the whole loop's.
 
 Opaque leaves that cannot run on fakes replay what they did on a real run on the example inputs
-(``fxopt.capture.leaf_tape.leaves_replayed``), so a fake run sees what they allocate and save.
+(``fxopt.graph.leaf_tape.leaves_replayed``), so a fake run sees what they allocate and save.
 
 Example inputs may be real tensors or fake tensors of another mode (e.g. ``placeholder_values``
 of a traced graph); the latter are rebuilt as fresh fakes with the same layout. Tensors that are
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxopt.capture.leaf_tape import leaves_replayed, unrecorded_leaves_stood_in
+from fxopt.graph.leaf_tape import leaves_replayed, unrecorded_leaves_stood_in
 from fxopt.core.state import preserved_rng
 from fxopt.runtime.chunked_loss import chunks_sampled
 from fxopt.core.step import as_args
@@ -251,7 +251,7 @@ class RealSizedOutputs(TorchDispatchMode):
 @contextlib.contextmanager
 def opaque_leaves_stood_in(gm: nn.Module) -> Iterator[list[str]]:
     """Leaves that could only run for real (``meta["fxopt_meta_source"] == "real"``) and have no
-    record of a real run on the example inputs (``fxopt.capture.leaf_runs``) get a stand-in
+    record of a real run on the example inputs (``fxopt.capture.leaf_recording``) get a stand-in
     forward that allocates outputs like their ``meta["val"]`` and grads for their inputs and
     parameters, so a fake run of ``gm`` goes through. Yields their paths.
 

@@ -4,7 +4,7 @@ A leaf (a submodule kept as one ``call_module``: symbolic tracing fell back on i
 named it in ``leaf_modules=``) whose forward reads tensor values (``if x.mean() > 0``,
 ``torch.where(mask)``, ``.item()``) cannot run on fake tensors: the fake kernel of
 ``aten._local_scalar_dense`` or ``aten.nonzero`` has no value to give. ``LeafRecord`` holds, per
-call of the leaf on a real run on the example inputs (``fxopt.capture.leaf_runs``), the output of
+call of the leaf on a real run on the example inputs (``fxopt.capture.leaf_recording``), the output of
 every ATen op it ran (shapes, strides and dtypes; plain values for scalars), in order per op and
 line of model code that ran it.
 ``leaves_replayed(module)`` makes every recorded leaf of ``module`` run on fakes: its own forward
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.capture.train_eval import eval_graph
+from fxopt.graph.graphs import graphs_of
 from fxopt.core import meta_keys
 from fxopt.core.errors import InputError
 from fxopt.core.tensors import device_of, tensors_in
@@ -61,7 +61,6 @@ from fxopt.core.torch_private import (
     tree_map,
     tree_unflatten,
 )
-from fxopt.runtime.regions import CheckpointedRegion
 
 META_KEY = meta_keys.LEAF
 Moves = dict  # a recorded device (str) -> the device it stands for now (``moves``)
@@ -284,19 +283,6 @@ def _stand_in(module: nn.Module, outputs_spec: Any, peak: int, saved: int,
     return forward
 
 
-def _graphs(owner: fx.GraphModule) -> list[fx.Graph]:
-    """``owner``'s graph, its eval-mode graph and the bodies of its checkpointed regions."""
-    graphs = [owner.graph]
-    other = eval_graph(owner)
-    if other is not None:
-        graphs.append(other)
-    for value in vars(owner).values():
-        body = getattr(value, "body", None) if isinstance(value, CheckpointedRegion) else None
-        if isinstance(getattr(body, "graph", None), fx.Graph):
-            graphs.append(body.graph)
-    return graphs
-
-
 def _resolved(target: str, owner: nn.Module, root: nn.Module) -> nn.Module | None:
     """The module a ``call_module`` target names: on the graph's owner, or (a region body in a
     kept block, whose targets stay qualified from the root) on the root."""
@@ -313,18 +299,15 @@ def opaque_leaves(module: nn.Module) -> list[tuple[nn.Module, fx.Node]]:
     whose metadata came from a real run (``meta["fxopt_meta_source"] == "real"``), once per
     module object."""
     found: dict[int, tuple[nn.Module, fx.Node]] = {}
-    for owner in module.modules():
-        if not isinstance(owner, fx.GraphModule):
-            continue
-        for graph in _graphs(owner):
-            for node in graph.find_nodes(op="call_module"):
-                if node.meta.get(meta_keys.META_SOURCE) != meta_keys.REAL:
-                    continue
-                leaf = _resolved(node.target, owner, module)
-                if leaf is None:
-                    continue
-                if id(leaf) not in found or META_KEY in node.meta:
-                    found[id(leaf)] = (leaf, node)
+    for of in graphs_of(module):
+        for node in of.graph.find_nodes(op="call_module"):
+            if node.meta.get(meta_keys.META_SOURCE) != meta_keys.REAL:
+                continue
+            leaf = _resolved(node.target, of.host, module)
+            if leaf is None:
+                continue
+            if id(leaf) not in found or META_KEY in node.meta:
+                found[id(leaf)] = (leaf, node)
     return list(found.values())
 
 
@@ -424,10 +407,5 @@ def _captured_home(node: fx.Node) -> torch.device:
 
 def nodes_calling(module: nn.Module, leaf: nn.Module) -> list[fx.Node]:
     """Every ``call_module`` node of ``module``'s graphs (nested ones too) that calls ``leaf``."""
-    found = []
-    for owner in module.modules():
-        if isinstance(owner, fx.GraphModule):
-            for graph in _graphs(owner):
-                found += [node for node in graph.find_nodes(op="call_module")
-                          if _resolved(node.target, owner, module) is leaf]
-    return found
+    return [node for of in graphs_of(module) for node in of.graph.find_nodes(op="call_module")
+            if _resolved(node.target, of.host, module) is leaf]
