@@ -550,3 +550,17 @@ def test_help_is_for_users_and_every_option_says_what_it_does(capsys):
     out = capsys.readouterr().out
     assert "--input [NAME=]SHAPE[:DTYPE[:LOW-HIGH]]" in out and "--int-range LOW,HIGH" in out
     assert "--device DEVICE" in out and "labels=@input_ids" in out
+
+
+def test_optimize_takes_where_to_verify_the_budget_check_and_the_outputs(capsys):
+    code, out, err = run(["optimize", "zoo:unet", "--input-shape", "8,3,32,32", "--memory-budget", "0.7",
+                          "--verify-at",
+                          "reduced", "--check-budget", "--outputs", "loss", "--repeats", "1",
+                          "--threads", "1"], capsys)
+    assert code == 0, err
+    assert "; ran at batch 4 of 8 on cpu" in out, out
+    assert "budget check: budget" in out and "measured" in out
+    assert "loss only" in out  # the training step planned for
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["optimize", "zoo:mlp", "--verify-at", "somewhere"])
+    assert exit_info.value.code == 2 and "--verify-at" in capsys.readouterr().err

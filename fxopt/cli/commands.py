@@ -204,6 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     _leaf_modules(opt)
     opt.add_argument("--out", help="write the exported module, its weights and report.json here")
     opt.add_argument("--no-verify", action="store_true", help="skip the equivalence check")
+    opt.add_argument("--verify-at", choices=("auto", "full", "reduced", "cpu"), default="auto",
+                     help="where the equivalence check runs: auto (default) at the example size "
+                          "where the original's step fits, else a smaller batch or the CPU; "
+                          "full, reduced (a smaller batch) or cpu")
+    opt.add_argument("--outputs", choices=("all", "loss"), default="all",
+                     help="loss: the training loop reads only the loss (as Hugging Face's "
+                          "Trainer does), so logits the model only returns are not built; all "
+                          "(default) returns every output")
+    opt.add_argument("--check-budget", action=argparse.BooleanOptionalAction, default=None,
+                     help="measure a real step of the planned module and plan again while it "
+                          "is over --memory-budget (default: on a GPU, off on the CPU)")
     opt.add_argument("--repeats", type=_positive, default=5,
                      help="timed training steps per model: at least this many (default 5), more "
                           "until each model has run 1 s")
@@ -317,8 +328,9 @@ def _optimize(args: argparse.Namespace) -> int:
     steps = 3 if args.out else 2
     progress(0, steps, "optimizing")
     gm = optimize(model, inputs, passes=args.passes, memory_budget=_budget(args.memory_budget),
-                  verify=not args.no_verify, capture=args.capture,
-                  fused_optimizer=args.fused_optimizer, leaf_modules=args.leaf_modules)
+                  verify=False if args.no_verify else args.verify_at, capture=args.capture,
+                  fused_optimizer=args.fused_optimizer, leaf_modules=args.leaf_modules,
+                  outputs=args.outputs, check_budget=args.check_budget)
     progress(1, steps, "measuring")
     comparison = before_after(model, gm, inputs, repeats=args.repeats)
     if args.out:
