@@ -37,6 +37,7 @@ _FLAT_LAYOUT_NAMES = {
     "fxopt.report": "fxopt.measure.report",
     "fxopt.pipeline": "fxopt.rewrite.pipeline",
     "fxopt.core.pretrained": "fxopt.integrations.hf_trainer",
+    "fxopt.rewrite.shard_guard": "fxopt.integrations.fsdp",
     "fxopt.capture.fake_run": "fxopt.graph.fake_run",
     "fxopt.capture.meta": "fxopt.graph.meta",
     "fxopt.capture.train_eval": "fxopt.graph.train_eval",

@@ -36,7 +36,7 @@ from fxopt.measure.budget_check import check_wanted, keep_budget
 from fxopt.measure.peaks import measure, measure_train_step
 from fxopt.planning.budget import is_min
 from fxopt.measure.report import PhaseClock, Report, predicted_peaks
-from fxopt.rewrite.shard_guard import guard_shards
+from fxopt.integrations.fsdp import guard_shards
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
 from fxopt.rewrite.registry import PassRegistry
 from fxopt.runtime.fused_step import FusedOptimizers, fused_optimizers

@@ -176,3 +176,34 @@ def exit_passed_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def step_record(module: nn.Module, x: torch.Tensor, *, seed: int = 0, call: Any = None
+                ) -> tuple[torch.Tensor, dict, dict]:
+    """Outputs, parameter gradients (of ``out.square().sum()``) and buffers after one training
+    step of ``module`` (``call(x)``, default ``module(x)``), the RNG seeded with ``seed`` (the
+    same dropout masks in every run); ``module`` is left as it was."""
+    from fxopt.core.state import preserved_state
+
+    params = dict(module.named_parameters())
+    with preserved_state(module):
+        module.train()
+        torch.manual_seed(seed)
+        out = (module if call is None else call)(x)
+        grads = torch.autograd.grad(out.square().sum(), list(params.values()))
+        buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    return out.detach(), dict(zip(params, grads)), buffers
+
+
+def assert_same_step(got: tuple, expected: tuple, *, buffer_tolerance: dict | None = None
+                     ) -> None:
+    """Two ``step_record``\\ s agree: outputs and gradients to float rounding, buffers too
+    (``buffer_tolerance``: ``assert_close``'s ``rtol``/``atol`` for them)."""
+    torch.testing.assert_close(got[0], expected[0])
+    assert got[1].keys() == expected[1].keys()
+    for name, grad in got[1].items():
+        torch.testing.assert_close(grad, expected[1][name], msg=lambda m, n=name: f"{n}: {m}")
+    assert got[2].keys() == expected[2].keys()
+    for name, value in got[2].items():
+        torch.testing.assert_close(value, expected[2][name], **(buffer_tolerance or {}),
+                                   msg=lambda m, n=name: f"{n}: {m}")

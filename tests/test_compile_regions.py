@@ -11,6 +11,8 @@ from functorch.compile import make_boxed_func
 from torch import nn
 
 import fxopt
+from helpers import assert_same_step as same_step
+from helpers import step_record
 from fxopt.core.state import preserved_state
 from fxopt.core.torch_private import compile_backend
 from fxopt.runtime.regions import CheckpointedRegion
@@ -37,26 +39,11 @@ def optimized():
 
 
 def train_step(module: nn.Module, call, x: torch.Tensor):
-    """Outputs, parameter grads and buffers after one training step; ``module`` is left as it was."""
-    params = dict(module.named_parameters())
-    with preserved_state(module):
-        module.train()
-        torch.manual_seed(5)  # the same dropout masks in every run
-        out = call(x)
-        grads = torch.autograd.grad(out.square().sum(), list(params.values()))
-        buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    return out.detach(), dict(zip(params, grads)), buffers
+    return step_record(module, x, seed=5, call=call)
 
 
 def assert_same_step(got, expected) -> None:
-    torch.testing.assert_close(got[0], expected[0])
-    assert got[1].keys() == expected[1].keys()
-    for name, grad in got[1].items():
-        torch.testing.assert_close(grad, expected[1][name], msg=lambda m, n=name: f"{n}: {m}")
-    assert got[2].keys() == expected[2].keys()
-    for name, value in got[2].items():
-        torch.testing.assert_close(value, expected[2][name], rtol=1e-6, atol=1e-7,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    same_step(got, expected, buffer_tolerance={"rtol": 1e-6, "atol": 1e-7})
 
 
 def test_compiled_matches_eager_and_the_original(optimized):

@@ -21,7 +21,7 @@ from torch import nn
 import fxopt
 from fxopt.core.errors import InputError
 from fxopt.core.torch_private import forward_pre_hooks
-from fxopt.rewrite.shard_guard import refuse_uncalled_shards
+from fxopt.integrations.fsdp import refuse_uncalled_shards
 
 transformers = pytest.importorskip("transformers")
 
@@ -145,7 +145,7 @@ def _guards(module) -> int:
 
 
 def test_the_shard_guard_is_the_one_piece_of_state_fxopt_adds_and_every_operation_keeps_it(pair):
-    """The root's forward pre-hook (``fxopt.rewrite.shard_guard``) holds nothing (a module-level
+    """The root's forward pre-hook (``fxopt.integrations.fsdp``) holds nothing (a module-level
     function reading the module it is called with): deepcopy, load_state_dict with assign, a
     dtype or device move and a replaced Parameter keep exactly one; optimizing the optimized
     module again does not add a second. FSDP2's parameter swap: tests/test_fsdp.py, where every

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import compact
+from helpers import assert_same_step, compact, step_record
 from torch import nn
 
 import fxopt
@@ -56,24 +56,7 @@ def planned(model: nn.Module, x: torch.Tensor, start: int, stop: int, mode: str,
 
 
 def step(module: nn.Module, x: torch.Tensor, seed: int = 0):
-    """Output, parameter gradients and buffers after one training step; module left as it was."""
-    params = dict(module.named_parameters())
-    with preserved_state(module):
-        module.train()
-        torch.manual_seed(seed)
-        out = module(x)
-        grads = torch.autograd.grad(out.square().sum(), list(params.values()))
-        buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
-    return out.detach(), dict(zip(params, grads)), buffers
-
-
-def assert_same_step(got, expected) -> None:
-    torch.testing.assert_close(got[0], expected[0])
-    assert got[1].keys() == expected[1].keys()
-    for name, grad in got[1].items():
-        torch.testing.assert_close(grad, expected[1][name], msg=lambda m, n=name: f"{n}: {m}")
-    for name, value in got[2].items():
-        torch.testing.assert_close(value, expected[2][name], msg=lambda m, n=name: f"{n}: {m}")
+    return step_record(module, x, seed=seed)
 
 
 @pytest.fixture

@@ -42,11 +42,18 @@ from torch import fx, nn
 
 from fxopt.analysis.reach import ancestors
 from fxopt.core.modules import has_hooks
+from fxopt.core.torch_private import (
+    ASSERT_TENSOR_METADATA,
+    LOG_SOFTMAX_PRIVATE,
+    TO_COPY,
+    UNSAFE_VIEW,
+    argument_defaults,
+)
 
 aten = torch.ops.aten
 _INT64_MAX = 2**63 - 1
 
-ASSERT_OPS = frozenset({aten._assert_tensor_metadata.default})
+ASSERT_OPS = ASSERT_TENSOR_METADATA
 _SHAPE_FUNCTIONS = frozenset({aten.sym_size.int, aten.sym_numel.default})
 _SHAPE_METHODS = frozenset({"size", "dim"})
 
@@ -60,10 +67,10 @@ _DIV = frozenset({operator.truediv, torch.div, torch.true_divide, aten.div.Tenso
                   aten.div.Scalar})
 _COPIES = frozenset({aten.clone.default, aten.contiguous.default, aten.alias.default,
                      torch.clone})
-_FLATTENS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+_FLATTENS = frozenset({aten.view.default, aten.reshape.default, *UNSAFE_VIEW,
                        aten.flatten.using_ints, torch.flatten, torch.reshape})
-_TO = frozenset({aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout})
-_LOG_SOFTMAX = frozenset({F.log_softmax, torch.log_softmax, aten._log_softmax.default,
+_TO = frozenset({aten.to.dtype, *TO_COPY, aten.to.dtype_layout})
+_LOG_SOFTMAX = frozenset({F.log_softmax, torch.log_softmax, *LOG_SOFTMAX_PRIVATE,
                           aten.log_softmax.int})
 _NLL = frozenset({F.nll_loss, aten.nll_loss.default, aten.nll_loss_nd.default,
                   aten.nll_loss_forward.default})
@@ -142,9 +149,9 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
 
 def _bind(fn: Any, node: fx.Node) -> dict[str, Any]:
     """Arguments of a call of ``fn`` (a Python function or an ATen overload) by name."""
-    if isinstance(fn, torch._ops.OpOverload):
-        names = [a.name for a in fn._schema.arguments]
-        defaults = {a.name: a.default_value for a in fn._schema.arguments if a.has_default_value()}
+    schema = argument_defaults(fn)
+    if schema is not None:
+        names, defaults = schema
         bound = dict(defaults)
         bound.update(zip(names, node.args))
         bound.update(node.kwargs)

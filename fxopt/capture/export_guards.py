@@ -48,7 +48,7 @@ import torch
 from torch import fx
 from torch.export.graph_signature import InputKind
 
-from fxopt.core.torch_private import export_guards
+from fxopt.core.torch_private import UNSAFE_VIEW, export_guards
 from fxopt.runtime.input_guard import TensorSpec, evaluate, reads
 
 aten = torch.ops.aten
@@ -62,9 +62,9 @@ ALL_OR_NONE = ("a batch of 1 is served when every batch dimension is 1, as in th
 # only when they are not a no-op (``aten.contiguous`` copies a tensor that is not contiguous).
 _VALUE_PRESERVING = frozenset({aten.contiguous.default})
 # Operators that give back their input's values when the result has the input's shape.
-_SAME_SHAPE_IS_IDENTITY = frozenset({aten.view.default, aten.reshape.default,
-                                     aten._unsafe_view.default, aten.expand.default,
-                                     aten.slice.Tensor, aten.alias.default})
+_SAME_SHAPE_IS_IDENTITY = frozenset({aten.view.default, aten.reshape.default, *UNSAFE_VIEW,
+                                     aten.expand.default, aten.slice.Tensor,
+                                     aten.alias.default})
 
 
 @dataclass

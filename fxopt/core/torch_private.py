@@ -68,6 +68,39 @@ def written_arguments(target: Any) -> tuple[tuple[int, str], ...] | None:
                  if argument.alias_info is not None and argument.alias_info.is_write)
 
 
+def argument_defaults(target: Any) -> tuple[list[str], dict[str, Any]] | None:
+    """The argument names of an ATen operator overload in order, and the defaults of those that
+    have one (from its schema), or None when ``target`` is not one."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    arguments = target._schema.arguments
+    return ([a.name for a in arguments],
+            {a.name: a.default_value for a in arguments if a.has_default_value()})
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter: it grows with every in-place write to its storage."""
+    return t._version
+
+
+aten = torch.ops.aten
+# ATen operators with a leading underscore (no public promise) that graphs hold and fxopt's
+# recognisers match; looked up by name so a torch without one still imports fxopt.
+_PRIVATE_OP_NAMES = ("_assert_tensor_metadata", "_unsafe_view", "_to_copy", "_log_softmax")
+
+
+def _overloads(name: str, overload: str = "default") -> frozenset:
+    packet = getattr(aten, name, None)
+    found = getattr(packet, overload, None) if packet is not None else None
+    return frozenset({found} if found is not None else ())
+
+
+ASSERT_TENSOR_METADATA = _overloads("_assert_tensor_metadata")
+UNSAFE_VIEW = _overloads("_unsafe_view")
+TO_COPY = _overloads("_to_copy")
+LOG_SOFTMAX_PRIVATE = _overloads("_log_softmax")
+
+
 def disable_current_modes() -> contextlib.AbstractContextManager:
     """Run real kernels inside a fake-tensor or dispatch mode."""
     return _disable_current_modes()
@@ -261,6 +294,12 @@ __all__ = [
     "uncompiled",
     "unset_fake_temporarily",
     "written_arguments",
+    "argument_defaults",
+    "tensor_version",
+    "ASSERT_TENSOR_METADATA",
+    "UNSAFE_VIEW",
+    "TO_COPY",
+    "LOG_SOFTMAX_PRIVATE",
 ]
 
 

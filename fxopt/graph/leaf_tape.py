@@ -57,6 +57,7 @@ from fxopt.core.errors import InputError
 from fxopt.core.tensors import device_of, tensors_in
 from fxopt.core.torch_private import (
     TorchDispatchMode,
+    tensor_version,
     tree_flatten,
     tree_map,
     tree_unflatten,
@@ -230,12 +231,12 @@ class _Replay(TorchDispatchMode):
 def recorded_call(module: nn.Module, original: Any, args: Any, kwargs: Any) -> tuple[Any, LeafCall]:
     """Run ``original(*args, **kwargs)`` (the module's forward, for real) recording a LeafCall."""
     inputs = tensors_in((args, kwargs))
-    versions = [t._version for t in inputs]
+    versions = [tensor_version(t) for t in inputs]
     key = call_key(module, args, kwargs)
     home = str(home_device(module, args, kwargs))
     with Recorder() as recorder:
         out = original(*args, **kwargs)
-    written = tuple(i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v)
+    written = tuple(i for i, (t, v) in enumerate(zip(inputs, versions)) if tensor_version(t) != v)
     return out, LeafCall(key, recorder.answers, spec_of(out), written, home)
 
 

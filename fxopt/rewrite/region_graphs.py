@@ -37,7 +37,7 @@ from torch import fx, nn
 
 from fxopt.analysis.writes import STATISTICS_UPDATERS, overwritten_inputs
 from fxopt.core.modules import code_only_module
-from fxopt.rewrite.subgraph import extract_region, region_io
+from fxopt.rewrite.subgraph import extract_region, placeholders, region_io
 from fxopt.runtime.regions import enter_kept, leave_kept, recomputed_batch_norm
 
 _PLAIN_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -85,9 +85,7 @@ def _forward_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx
     graph = fx.Graph()
     frame = graph.placeholder("_fxopt_frame")
     env: dict[fx.Node, fx.Node] = {}
-    for value in inputs:
-        env[value] = graph.placeholder(value.name)
-        env[value].meta = dict(value.meta)
+    placeholders(graph, inputs, env)
     base = 0
     for node in nodes:
         _copy_reads(graph, node, env)
@@ -109,12 +107,7 @@ def _recompute_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.N
     """(recompute graph, whether it differs from the body, whether it still writes buffers)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for value in inputs:
-        env[value] = graph.placeholder(value.name)
-        env[value].meta = dict(value.meta)
-    for node in inner:
-        env[node] = graph.placeholder(node.name)
-        env[node].meta = dict(node.meta)
+    placeholders(graph, [*inputs, *inner], env)
     changed = shield = False
     inside = set(nodes)
     for node in nodes:

@@ -54,13 +54,19 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], *,
     return code_only_module(graph, gm, class_name), passed
 
 
+def placeholders(graph: fx.Graph, values: list[fx.Node], env: dict[fx.Node, fx.Node]) -> None:
+    """A placeholder of ``graph`` for each of ``values`` (its name and meta), recorded in
+    ``env``: how a graph cut out of another starts."""
+    for value in values:
+        env[value] = graph.placeholder(value.name)
+        env[value].meta = dict(value.meta)
+
+
 def _subgraph(nodes: list[fx.Node]) -> fx.Graph:
     inputs, outputs = region_io(nodes)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for value in inputs:
-        env[value] = graph.placeholder(value.name)
-        env[value].meta = dict(value.meta)
+    placeholders(graph, inputs, env)
     for node in nodes:
         for arg in node.all_input_nodes:
             if arg.op == "get_attr" and arg not in env:

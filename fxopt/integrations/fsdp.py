@@ -5,14 +5,15 @@ in hooks around the module's call. The optimized graph calls the root, its block
 (``fxopt.blocks``) and the leaf modules it calls as modules, but reads every other module's
 parameters directly: the layers inside a block, a block fxopt left inlined, and modules outside
 the blocks that some recipes shard on their own (an export-captured model's token embeddings,
-a head the chunked loss reads). Sharded there, the parameters are never gathered, and the forward stops
-half-way with torch's "mixed torch.Tensor and DTensor" error.
+a head the chunked loss reads). Sharded there, the parameters are never gathered, and the forward
+stops half-way with torch's "mixed torch.Tensor and DTensor" error.
 
 ``refuse_uncalled_shards`` is a forward pre-hook ``fxopt.optimize`` registers on the module it
 returns (``guard_shards``): it raises ``ConfigError`` naming each such module before the forward
 runs, and says what to shard instead. Without an initialized ``torch.distributed`` process group
-it returns at once; with one, it walks the module tree and the graphs on each call. The modules a graph calls are read from the graphs themselves, so a copy, a loaded
-checkpoint or a replaced submodule is judged as it is.
+it returns at once; with one, it walks the module tree and the graphs on each call. The modules
+a graph calls are read from the graphs themselves (``fxopt.graph.graphs.graphs_of``), so a copy,
+a loaded checkpoint or a replaced submodule is judged as it is.
 """
 
 from __future__ import annotations
