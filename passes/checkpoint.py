@@ -51,7 +51,6 @@ from __future__ import annotations
 import operator
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,16 +66,14 @@ from fxopt.core.training_setup import TrainingSetup
 from fxopt.planning.budget import budget_bytes, is_min
 from fxopt.planning.checkpoint_problem import alias_roots, build_problem
 from fxopt.planning.checkpoint_search import least_memory_plan, search_plan
-from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, fast_chunk_rows, widest_chunk_rows
+from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, fast_chunk_rows
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
+from fxopt.rewrite.loss_chunk_calls import LossChunks
 from fxopt.rewrite.pass_base import PassResult, StatsItem, mark_new
 from fxopt.analysis.blocks import module_span
 from fxopt.rewrite.region_graphs import region_graphs
 from fxopt.rewrite.subgraph import region_io
-from fxopt.runtime.chunked_loss import chunked_loss, chunked_loss_and_logits
 from fxopt.runtime.regions import CheckpointedRegion, call_region
-
-SIZED_LOSS_CALLS = (chunked_loss, chunked_loss_and_logits)
 
 PASS_NAME = "checkpoint"
 
@@ -273,35 +270,3 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
                   "solver_seconds": round(plan.solve_seconds, 3),
                   "seconds": round(time.perf_counter() - started, 3)})
     return PassResult(gm, True, stats)
-
-
-class LossChunks:
-    """The chunked-loss calls of a graph whose chunk size is left open (``chunk_rows=None``,
-    ``passes.chunked_loss`` with ``chunk_rows="auto"``): the plan sizes them. A size the user
-    fixed is an int, and stays."""
-
-    def __init__(self, gm: fx.GraphModule):
-        self.gm = gm
-        self.calls = [n for n in gm.graph.nodes if n.op == "call_function"
-                      and n.target in SIZED_LOSS_CALLS and n.kwargs.get("chunk_rows") is None]
-        values = [c.args[0].meta.get("val") for c in self.calls if isinstance(c.args[0], fx.Node)]
-        self.tokens = max((int(v.shape[:-1].numel()) for v in values if v is not None), default=0)
-
-    def __bool__(self) -> bool:
-        return bool(self.calls)
-
-    def set(self, rows: int) -> None:
-        for call in self.calls:
-            call.kwargs = {**call.kwargs, "chunk_rows": rows}
-        if self.calls:
-            self.gm.recompile()
-
-    def widest(self, fits: Callable[[], bool], cap: int) -> int:
-        """Set every call to the widest chunk (``widest_chunk_rows``, at most ``cap`` tokens)
-        for which ``fits()`` holds with the calls at that size; returns it."""
-        def fits_at(rows: int) -> bool:
-            self.set(rows)
-            return fits()
-        rows = widest_chunk_rows(MIN_CHUNK_ROWS, self.tokens, fits_at, cap)
-        self.set(min(rows, max(self.tokens, 1)))
-        return min(rows, max(self.tokens, 1))

@@ -64,7 +64,8 @@ from fxopt.core.errors import ConfigError
 from fxopt.core.torch_private import copy_codegen
 from fxopt.core.training_setup import OUTPUTS, TrainingSetup
 from fxopt.planning.budget import parse_budget
-from fxopt.planning.loss_chunks import decide
+from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, decide
+from fxopt.rewrite.loss_chunk_calls import LossChunks
 from fxopt.rewrite.pass_base import PassResult, mark_new
 from fxopt.runtime.chunked_loss import (
     chunked_loss as chunked_loss_call,
@@ -96,10 +97,13 @@ def chunked_loss(gm: fx.GraphModule, *, outputs: str | None = None,
         parse_budget(budget)  # a ConfigError before any work
     options = {"outputs": outputs, "chunk_rows": chunk_rows, "force": force}
     stats: dict[str, Any] = {"outputs": outputs}
+    if budget is not None:  # the checkpoint pass sizes open chunks, from the smallest up
+        options["planned"] = True
     if budget is not None and not force:
         # the planner's use: only where the predicted training peak goes down
         candidate = _copy(gm)
         records, skipped = _apply(candidate, **options)
+        LossChunks(candidate).set(MIN_CHUNK_ROWS)  # as the checkpoint pass plans it
         if not records:
             return PassResult(gm, False, {**stats, "rewritten": 0, "sites": [],
                                           "skipped": skipped})
@@ -123,14 +127,14 @@ def chunked_loss(gm: fx.GraphModule, *, outputs: str | None = None,
                                           "skipped": skipped})
 
 
-def _apply(gm: fx.GraphModule, *, outputs: str, chunk_rows: int | str, force: bool
-           ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+def _apply(gm: fx.GraphModule, *, outputs: str, chunk_rows: int | str, force: bool,
+           planned: bool = False) -> tuple[list[dict[str, Any]], dict[str, str]]:
     findings = find_token_losses(gm)
     skipped: dict[str, str] = dict(findings.refused)
     records: list[dict[str, Any]] = []
     for site in findings.sites:
         decision = decide(site.tokens, site.vocab, site.hidden_size, site.itemsize,
-                          chunk_rows=chunk_rows, force=force)
+                          chunk_rows=chunk_rows, force=force, planned=planned)
         if not decision.chunk:
             skipped[site.name] = decision.reason or "not worth it"
             continue

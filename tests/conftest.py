@@ -1,4 +1,5 @@
-"""pytest configuration: hypothesis profiles, chosen with FXOPT_HYPOTHESIS_PROFILE.
+"""pytest configuration: hypothesis profiles, chosen with FXOPT_HYPOTHESIS_PROFILE, and a check
+that no test leaves global torch state behind for the tests after it.
 
 - ``ci`` (default): reproducible (``derandomize=True``), no deadline (optimize() traces, plans
   and verifies: seconds, not milliseconds), sized to keep tests/test_fuzz.py within its 90 s.
@@ -7,6 +8,9 @@
 """
 
 import os
+
+import pytest
+import torch
 
 from hypothesis import HealthCheck, settings
 
@@ -19,3 +23,16 @@ settings.register_profile("long", derandomize=False, deadline=None, max_examples
 settings.register_profile("dev", derandomize=False, deadline=None, max_examples=10,
                           suppress_health_check=_SLOW_IS_FINE, print_blob=True)
 settings.load_profile(os.environ.get("FXOPT_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def no_global_torch_state_left_behind():
+    """A test that leaves a torch-function mode active (``torch.set_default_device("cpu")`` does)
+    or grad mode off changes every later test: fast paths turn off, each op pays a Python
+    detour. fxopt must not leave one either; this fails the test that did."""
+    grad = torch.is_grad_enabled()
+    yield
+    assert not torch.overrides.has_torch_function((torch.empty(0),)), \
+        "a torch-function mode is still active after the test (set_default_device?)"
+    assert torch.get_default_device() == torch.device("cpu"), torch.get_default_device()
+    assert torch.is_grad_enabled() == grad, "grad mode changed by the test"

@@ -37,7 +37,9 @@ def default_device_elsewhere(device: str = ELSEWHERE) -> Iterator[None]:
     try:
         yield
     finally:
-        torch.set_default_device(previous)
+        # None, not "cpu", when nothing was set: setting "cpu" leaves a device mode on the
+        # torch-function stack, which slows every later op and turns off torch's fast paths
+        torch.set_default_device(None if previous == torch.device("cpu") else previous)
 
 
 def graphs_of(module: nn.Module) -> list[tuple[str, fx.Graph]]:

@@ -1,6 +1,6 @@
 """The architecture as a test: which package may import which.
 
-Layers, lowest first (README.md, "Architecture"). A module may import its own layer and any
+Layers, lowest first (docs/how-it-works.md, "Where things live"). A module may import its own layer and any
 lower one, never a higher one; ``fxopt/runtime`` imports torch and the standard library only,
 because the exporter copies it next to generated code where fxopt is not installed.
 """
@@ -106,7 +106,7 @@ def test_layers_import_only_downwards():
 
 
 def test_the_derived_order_is_the_documented_one():
-    """Sorting the layers by their imports gives an order the README's list agrees with."""
+    """Sorting the layers by their imports gives an order the documented table agrees with."""
     edges = layer_edges(project_files())
     graph: dict[str, set[str]] = {layer: set() for layer in LAYERS}
     for importer, imported in edges:
@@ -115,11 +115,11 @@ def test_the_derived_order_is_the_documented_one():
     position = {layer: i for i, layer in enumerate(derived)}
     for importer, imported in edges:
         assert position[imported] < position[importer]
-    readme = (ROOT / "README.md").read_text()
-    documented = [line.split("`")[1].rstrip("/").split("/")[-1] for line in readme.splitlines()
+    table = (ROOT / "docs" / "how-it-works.md").read_text()
+    documented = [line.split("`")[1].rstrip("/").split("/")[-1] for line in table.splitlines()
                   if line.startswith("| `fxopt/") or line.startswith("| `passes/")]
     assert documented == [layer for layer in LAYERS if layer not in ("api", "package")], (
-        "README.md's architecture table lists the layers in another order")
+        "docs/how-it-works.md's table of packages lists the layers in another order")
 
 
 def test_the_check_catches_a_planted_upward_import():

@@ -15,10 +15,11 @@ from torch import nn
 import fxopt
 from fxopt.capture.chain import capture
 from fxopt.measure.peaks import measure_train_step
-from fxopt.planning.loss_chunks import FAST_CHUNK_ROWS, MIN_CHUNK_ROWS, widest_chunk_rows
+from fxopt.planning.loss_chunks import FAST_CHUNK_ROWS, MIN_CHUNK_ROWS, decide, widest_chunk_rows
 from fxopt.runtime.chunked_loss import auto_chunk_rows
 from fxopt.runtime.chunked_loss import chunked_loss as chunked_loss_call
-from fxopt.passes.checkpoint import LossChunks, checkpoint
+from fxopt.passes.checkpoint import checkpoint
+from fxopt.rewrite.loss_chunk_calls import LossChunks
 from fxopt.passes.chunked_loss import chunked_loss
 from helpers import seeded
 
@@ -144,6 +145,24 @@ def test_optimize_under_a_budget_sizes_the_chunks_with_the_plan():
     assert site["chunk_rows"] == "open"
     assert records["checkpoint"].stats["loss_chunk_rows"] > MIN_CHUNK_ROWS
     assert gm.fxopt_report.verification.ok
+
+
+def test_under_a_budget_the_saving_is_judged_at_the_chunk_the_plan_starts_from():
+    """64 tokens over 256 logits: at the automatic size (all 64 tokens in one chunk) chunking
+    holds more than it removes, at the smallest chunk, where the checkpoint plan starts, less.
+    Under a budget the loss is chunked and the plan widens the chunk only as far as its peak
+    allows (tests/test_fsdp.py's GPT and Llama are this size)."""
+    assert not decide(64, 256, 64, 4).chunk
+    assert decide(64, 256, 64, 4, planned=True).chunk
+    model, inputs = seeded(HeadOnly, 256, 64), _ids(256, 2, 32)
+    gm = fxopt.optimize(model, inputs, memory_budget="min", passes=["chunked_loss"])
+    records = {r.name: r for r in gm.fxopt_report.passes}
+    assert records["chunked_loss"].modified, records["chunked_loss"].stats
+    assert records["checkpoint"].stats["loss_chunk_rows"] >= MIN_CHUNK_ROWS
+    assert measure_train_step(gm, inputs).peak_bytes < measure_train_step(
+        capture(model, inputs), inputs).peak_bytes
+    assert fxopt.optimize(model, inputs, passes=["chunked_loss"]).fxopt_report.passes[0].stats[
+        "rewritten"] == 0  # no budget: the automatic size, not worth it
 
 
 @pytest.mark.parametrize("outputs", ["all", "loss"])

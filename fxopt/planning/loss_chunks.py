@@ -89,14 +89,19 @@ def _powers_of_two(low: int, high: int) -> list[int]:
 
 
 def decide(tokens: int, vocab: int, hidden: int, itemsize: int, *,
-           chunk_rows: int | str = "auto", force: bool = False) -> ChunkDecision:
+           chunk_rows: int | str = "auto", force: bool = False,
+           planned: bool = False) -> ChunkDecision:
     """Whether and how to chunk a loss over ``tokens`` rows of ``vocab`` logits computed from
     ``hidden``-wide states (``itemsize`` bytes per logit). ``chunk_rows="auto"``: the decision's
-    ``chunk_rows`` is None (left open in the graph: ``auto_chunk_rows`` at run time, or sized by
-    the checkpoint plan), and its bytes are counted at ``auto_chunk_rows``."""
+    ``chunk_rows`` is None (left open in the graph), and its bytes are counted at the size the
+    open call will take: ``auto_chunk_rows`` at run time, or, ``planned`` (under a memory
+    budget, where the checkpoint plan sizes it), ``MIN_CHUNK_ROWS`` and no more than the budget
+    allows."""
     if chunk_rows != "auto":
         rows = max(1, min(int(chunk_rows), tokens))
         chosen: int | None = rows
+    elif planned:
+        rows, chosen = max(1, min(MIN_CHUNK_ROWS, tokens)), None
     else:
         rows, chosen = auto_chunk_rows(tokens, vocab, hidden, itemsize), None
     removed = LOSS_TENSORS * tokens * vocab * itemsize
