@@ -196,7 +196,7 @@ def test_the_set_up_commands_are_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     venv, tests = (b.text.strip() for b in setup)
     assert venv.startswith("python3 -m venv .venv && .venv/bin/pip install -c constraints.txt")
-    assert tests == ".venv/bin/python -m pytest -q" and ci.rstrip().endswith(tests)
+    assert tests == ".venv/bin/python -m pytest -q -n auto --dist loadfile" and ci.rstrip().endswith(tests)
     install = venv.split(" && ")[1].replace("pip install ", "pip install -q ")
     assert install in ci, "the README and .ci/run install the venv differently"
 
