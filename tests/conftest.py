@@ -24,12 +24,6 @@ settings.register_profile("dev", derandomize=False, deadline=None, max_examples=
                           suppress_health_check=_SLOW_IS_FINE, print_blob=True)
 settings.load_profile(os.environ.get("FXOPT_HYPOTHESIS_PROFILE", "ci"))
 
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    # pytest-xdist's workers (README's test command: -n auto) share the cores: one torch thread
-    # each, or two workers on two cores run four threads and wait on each other
-    torch.set_num_threads(max(1, (os.cpu_count() or 1)
-                              // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-
 
 @pytest.fixture(autouse=True)
 def no_global_torch_state_left_behind():

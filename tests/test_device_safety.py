@@ -198,9 +198,9 @@ def test_ecosystem_models_optimize_and_follow_the_device(hf_optimized, name, bud
 def test_verify_measure_and_estimate_with_the_default_device_elsewhere(hf_optimized,
                                                                       zoo_optimized):
     """On an export-captured LM and an fx-captured U-Net (BatchNorm), both checkpointed."""
+    cases = (hf_optimized("hf_llama_lm", "min"), zoo_optimized("unet", "min"))  # built on CPU
     with default_device_elsewhere():
-        for reference, inputs, candidate in (hf_optimized("hf_llama_lm", "min"),
-                                             zoo_optimized("unet", "min")):
+        for reference, inputs, candidate in cases:
             assert fxopt.verify(reference, candidate, inputs).ok
             report = fxopt.measure(candidate, inputs)
             estimate = fxopt.estimate_peak(candidate, inputs)
