@@ -108,7 +108,7 @@ def llama() -> torch.nn.Module:
 
 
 # The default pipeline under a budget (``PASSES_WITH_LOSS``: the default passes, checkpoint and
-# the chunked loss, which brings in loss_chunk_size), planned from the roofline (profile=False):
+# the chunked loss, whose chunks the checkpoint plan sizes), planned from the roofline (profile=False):
 # the same plan on both ranks and in every run, whatever else the machine is doing. ``PASSES``
 # leaves out the chunked loss, whose sums round differently from cross_entropy's.
 PASSES = [(spec.name, {"profile": False} if spec.name == "checkpoint" else {})
