@@ -36,8 +36,9 @@ checkpoint pass, planning under a memory budget, sizes it as part of its plan
 (``fxopt.planning.loss_chunks``). ``force``: rewrite even where the planner predicts no saving.
 ``budget``: set by ``fxopt.optimize``'s ``memory_budget`` (the pass joins the default pipeline
 then, ``passes=None``): the rewrite is kept only when it lowers the predicted training peak of
-the training planned for (``fxopt.analysis.estimate``, on a copy of the graph); the stats give
-both predictions and the loss's share of the peak before and after.
+the training planned for (``fxopt.analysis.estimate``, on a copy of the graph, its open chunks
+at ``MIN_CHUNK_ROWS``, where the checkpoint plan starts sizing them); the stats give both
+predictions and the loss's share of the peak before and after.
 
 Left alone, with the reason in ``stats["skipped"]``: class weights, ``reduction="none"``,
 probability targets, label smoothing or ignore_index computed in the graph, a projection with
