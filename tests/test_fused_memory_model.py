@@ -64,6 +64,23 @@ def test_the_estimate_equals_a_real_fused_step(kwargs, fusing):
     assert estimate.train_optimizer_step_bytes == temporaries * 512 * 512 * 4
 
 
+@pytest.mark.parametrize("slice_bytes", [0, 2**18], ids=["whole", "quarter_slices"])
+def test_a_parameter_stepped_in_slices_holds_a_slices_temporaries(slice_bytes, fusing):
+    """AdamW's for-loop step allocates two temporaries the size of what it steps: a 1 MiB weight
+    stepped in 256 KiB slices holds two of 256 KiB, and the estimate says so to the byte."""
+    model, x = seeded(WideMLP, 512), torch.randn(2, 512)
+    fused = fusing(model, step_slice_bytes=slice_bytes)
+    training_step(model, x)
+    fused.step()
+    estimate = estimate_peak(model, x, fused_optimizer=fused)
+    tracker = LiveStorageTracker()
+    with tracker:
+        training_step(model, x)
+        fused.step()
+    assert estimate.train_bytes - estimate.baseline_bytes == tracker.peak_bytes
+    assert estimate.train_optimizer_step_bytes == 2 * (slice_bytes or 512 * 512 * 4)
+
+
 def test_without_a_fused_optimizer_every_gradient_is_counted(fusing):
     model, x = seeded(WideMLP, 512), torch.randn(2, 512)
     plain = estimate_peak(model, x)

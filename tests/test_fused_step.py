@@ -81,6 +81,28 @@ def test_fused_training_is_bit_identical_and_leaves_the_model_as_it_was(optimize
     assert all(p.grad is not None for p in model.parameters())  # no hook steps them any more
 
 
+SLICED = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.3}),
+    (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    (torch.optim.AdamW, {"lr": 1e-2, "foreach": True}),
+    (torch.optim.AdamW, {"lr": 1e-2, "fused": True}),
+]
+
+
+@pytest.mark.parametrize("optimizer, kwargs", SLICED,
+                         ids=["sgd_dampened", "adam_amsgrad", "adamw", "adamw_foreach",
+                              "adamw_fused_kernel"])
+def test_big_parameters_stepped_in_slices_train_bit_identically(optimizer, kwargs):
+    """96 x 96 weights (36 KiB) in slices of 4,096 elements: two whole slices and a short one,
+    from the first step on (where the optimizer makes the state: SGD's first momentum is the
+    gradient itself, undampened). ``fused=True`` is not sliced (its kernel allocates nothing)."""
+    report = verify_fused_training(seeded(WideMLP, 96), optimizer, torch.randn(3, 96), steps=3,
+                                   strict=True, step_slice_bytes=4096 * 4, **kwargs)
+    assert report.ok and report.bit_identical, str(report)
+    assert report.checked["optimizer_state"] >= 12
+
+
 OTHER_OPTIMIZERS = [
     (torch.optim.ASGD, {"lr": 1e-2}), (torch.optim.Adadelta, {}), (torch.optim.Adafactor, {}),
     (torch.optim.Adagrad, {"lr": 1e-2}), (torch.optim.Adamax, {}), (torch.optim.NAdam, {}),

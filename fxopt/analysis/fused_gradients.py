@@ -136,6 +136,7 @@ def fused_steps_on_fakes(module: nn.Module, real: dict[str, torch.Tensor],
             state_bytes += storage_bytes([t for s in shadow.state.values() for t in s.values()
                                           if isinstance(t, torch.Tensor)])
             shadows.append(FusedOptimizer(shadow, module, bucket_bytes=one.bucket_bytes,
+                                          step_slice_bytes=one.step_slice_bytes,
                                           clip_grad_value=one.clip_grad_value,
                                           max_grad_norm_per_parameter=(
                                               one.max_grad_norm_per_parameter)))

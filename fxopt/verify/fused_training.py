@@ -24,7 +24,7 @@ from fxopt.core.step import COTANGENT_SEED, as_args, training_step
 from fxopt.core.tensors import storage_bytes, tensors_in
 from fxopt.core.trees import map_tensors
 from fxopt.runtime.fuse import OptimizerSpec, build_optimizer, fuse_optimizer
-from fxopt.runtime.fused_step import DEFAULT_BUCKET_BYTES, paused
+from fxopt.runtime.fused_step import DEFAULT_BUCKET_BYTES, DEFAULT_STEP_SLICE_BYTES, paused
 from fxopt.verify.tensor_diff import Mismatch, compare_named, merged_tolerances
 
 
@@ -70,6 +70,7 @@ def verify_fused_training(model: nn.Module, optimizer: OptimizerSpec, example_in
                           steps: int = 3, candidate: nn.Module | None = None,
                           accumulation_steps: int = 1, clip_grad_value: float | None = None,
                           bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                          step_slice_bytes: int = DEFAULT_STEP_SLICE_BYTES,
                           scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                           seed: int = 0, tolerances: dict | None = None,
                           measure_memory: bool = False, strict: bool = False,
@@ -84,8 +85,8 @@ def verify_fused_training(model: nn.Module, optimizer: OptimizerSpec, example_in
     ``clip_grad_value_`` if asked, ``optimizer.step()``, ``zero_grad()`` and ``scheduler.step()``
     (``scheduler``: a factory over the optimizer) in the ordinary loop; the same passes then
     ``fused.step()``, ``zero_grad()`` and ``scheduler.step()`` in the fused one
-    (``accumulation_steps``, ``clip_grad_value`` and ``bucket_bytes`` as ``fuse_optimizer``
-    takes them). Compared: every
+    (``accumulation_steps``, ``clip_grad_value``, ``bucket_bytes`` and ``step_slice_bytes`` as
+    ``fuse_optimizer`` takes them). Compared: every
     parameter and buffer, every optimizer state tensor and value (by parameter name), and each
     group's hyperparameters (a scheduler's lr). Float tensors pass within ``tolerances`` (fxopt's
     defaults); ``bit_identical`` says whether no tolerance was needed. ``strict=True`` raises
@@ -112,7 +113,7 @@ def verify_fused_training(model: nn.Module, optimizer: OptimizerSpec, example_in
     for fused in (False, True):
         module = candidate if fused else model
         fuse = {"accumulation_steps": accumulation_steps, "clip_grad_value": clip_grad_value,
-                "bucket_bytes": bucket_bytes}
+                "bucket_bytes": bucket_bytes, "step_slice_bytes": step_slice_bytes}
         runs.append(_train(module, (model, candidate), optimizer, optimizer_kwargs, args, fused,
                            steps, fuse, scheduler, seed, measure_memory, canonical))
     tols = merged_tolerances(tolerances)
