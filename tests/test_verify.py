@@ -17,6 +17,7 @@ from torch import fx, nn
 from fxopt.core.errors import ConfigError, EquivalenceError, InputError
 from fxopt.core.step import training_step
 from fxopt.verify.equivalence import DEFAULT_TOLERANCES, verify
+from fxopt.verify.tensor_diff import SCALE_ULPS
 
 X = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
 
@@ -358,6 +359,23 @@ def test_float32_default_tolerance_boundary():
     assert compare(two, two + 0.5 * (atol + 2 * rtol)) is None
     m = compare(two, two.index_put((torch.tensor([1]), torch.tensor([0])), torch.tensor(2.01)))
     assert m.detail.startswith("1 of 4 elements outside tolerance; worst at index (1, 0)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_elements_near_their_tolerance_are_judged_exactly(dtype):
+    """Within half its tolerance an element passes the float32 fast check; between half and all
+    of it the exact comparison passes it; beyond it, it is caught, alone among 4,096."""
+    rtol, atol = DEFAULT_TOLERANCES[dtype]
+    ref = torch.linspace(1, 2, 4096, dtype=torch.float64)
+    # scales above 1: atol, or SCALE_ULPS ulps of the largest element (2) where that is more
+    bound = max(atol, min(atol, SCALE_ULPS * torch.finfo(dtype).eps) * 2) + rtol * ref
+    assert compare(ref.to(dtype), (ref + 0.4 * bound).to(dtype)) is None
+    assert compare(ref.to(dtype), (ref + 0.75 * bound).to(dtype)) is None
+    beyond = ref + 0.75 * bound
+    beyond[1234] = ref[1234] + 1.25 * bound[1234]
+    m = compare(ref.to(dtype), beyond.to(dtype))
+    assert m is not None and m.detail.startswith("1 of 4096 elements outside tolerance; worst "
+                                                 "at index (1234,)"), m
 
 
 def test_atol_shrinks_with_the_scale_of_small_tensors():
