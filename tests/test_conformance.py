@@ -140,6 +140,20 @@ def test_deepcopy(pair):
     _assert_same_step(slim, model, inputs)
 
 
+def test_recompile(pair):
+    """``recompile()``, as torch.fx passes and users call it: the optimized Hugging Face model's
+    class (its own, beside torch.fx's per-instance one) used to call itself for ever after it."""
+    model, slim, inputs = pair  # slim itself: a deep copy's class is torch.fx's alone
+    reference, before = copy.deepcopy(model), copy.deepcopy(slim.state_dict())
+    slim.recompile()
+    try:
+        _assert_same_step(slim, reference, inputs)
+    finally:  # the step moved the BatchNorm statistics slim shares with the fixture's model
+        slim.load_state_dict(before)
+        for p in slim.parameters():
+            p.grad = None
+
+
 def _guards(module) -> int:
     return forward_pre_hooks(module).count(refuse_uncalled_shards)
 

@@ -255,9 +255,16 @@ def keep_pretrained_interface(gm: fx.GraphModule, model: nn.Module) -> None:
     # PretrainedInterface (GraphModule.__new__ skips classes of that name).
     # Its __name__ stays the model's (LlamaForCausalLM): what an export names its class and a
     # repr shows (only __qualname__ matters to GraphModule.__new__).
-    name = type(gm).__name__
-    gm.__class__ = type("GraphModuleImpl", (PretrainedInterface, type(gm)), {})
-    gm.__class__.__name__ = name
+    # Over type(gm) less its call wrapper, which reads self._wrapped_call: once a recompile gave
+    # the new class a wrapper of its own (whose super() call reaches type(gm)'s), each would
+    # call the other. recompile() makes the new class's.
+    base = type(gm)
+    members = {k: v for k, v in vars(base).items()
+               if k not in ("__dict__", "__weakref__", "_wrapped_call", "__call__")}
+    unwrapped = type(base.__name__, base.__bases__, members)
+    gm.__class__ = type("GraphModuleImpl", (PretrainedInterface, unwrapped), {})
+    gm.__class__.__name__ = base.__name__
+    gm.recompile()
 
 
 def _stand_in(model: nn.Module) -> nn.Module:
