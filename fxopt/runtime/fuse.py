@@ -83,11 +83,12 @@ def fuse_optimizer(module: nn.Module, optimizer: OptimizerSpec, /, *,
     step; ``max_grad_norm`` (global-norm clipping) is refused. ``bucket_bytes``: parameters
     smaller than this are stepped a few at a time, up to this many bytes of gradients (fewer
     optimizer calls); 0 steps each alone. ``step_slice_bytes``: a parameter larger than this is
-    stepped that many bytes at a time when the optimizer is SGD, Adam or AdamW (exact: their
-    update is per element), so the step's temporaries are a slice's, not the parameter's (torch's
-    for-loop AdamW allocates two of them: for a 128,256 x 2,048 bf16 embedding, 1 GiB); 0 steps
-    whole parameters. ``local_gradients``: fuse in a distributed run although
-    ``module`` is not wrapped by DDP. ``fused.remove()`` undoes it.
+    stepped in slices of that many bytes (at most 16 slices, larger where the parameter is) when
+    the optimizer is SGD, Adam or AdamW without ``fused=True`` (exact: their update is per
+    element), so the step's temporaries are a slice's, not the parameter's (torch's for-loop
+    AdamW allocates two: for a 128,256 x 2,048 bf16 embedding, 1 GiB whole, 64 MiB sliced); 0
+    steps whole parameters. ``local_gradients``: fuse in a distributed run although ``module``
+    is not wrapped by DDP. ``fused.remove()`` undoes it.
     """
     if not isinstance(module, nn.Module):
         raise InputError(f"fuse_optimizer: the model is a {type(module).__name__}, not a "

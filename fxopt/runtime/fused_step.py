@@ -66,8 +66,9 @@ backward runs: torch's default for-loop AdamW two tensors the size of the parame
 ``foreach=True`` one, ``fused=True`` none. So a parameter larger than ``step_slice_bytes``
 (4 MiB) is stepped a slice at a time when the optimizer is SGD, Adam or AdamW (not with
 ``fused=True``, which needs no temporaries), whose update of an element reads nothing but that
-element (``_step_in_slices``: exact, bit for bit): the temporaries are a slice's (an LM's
-128,256 x 2,048 head in the for-loop AdamW: 8 MiB instead of 1 GiB in bf16).
+element (``_step_in_slices``: exact, bit for bit), in at most ``MAX_STEP_SLICES`` slices: the
+temporaries are a slice's (an LM's 128,256 x 2,048 bf16 head in the for-loop AdamW: 64 MiB
+instead of 1 GiB).
 
 Where the peak is late in backward (most gradients alive) the peak drops by about the
 gradients; where it is at the end of forward (activations), the step of a big last-layer
@@ -113,6 +114,10 @@ ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 # CPU) compute a tail that is not a whole vector another way, so slices cut anywhere else would
 # round differently from the whole parameter's step.
 SLICE_ALIGNMENT = 1024
+# Each slice is a call of the optimizer (on a GPU, a launch per kernel of its step): a parameter
+# is cut into at most this many, each then larger than step_slice_bytes where the parameter is
+# (a 128,256 x 2,048 bf16 embedding: 16 slices of 32 MiB, temporaries 1/16 of the whole).
+MAX_STEP_SLICES = 16
 @contextlib.contextmanager
 def paused(parameters: Iterable[torch.Tensor]) -> Iterator[None]:
     """Inside, the fused optimizers stepping any of ``parameters`` leave backward alone:
@@ -471,8 +476,8 @@ def _step_in_slices(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: 
     state = optimizer.state
     own = state.get(p) or {}
     flat, grad = p.detach().view(-1), p.grad.view(-1)
-    length = max(SLICE_ALIGNMENT, slice_bytes // p.element_size() // SLICE_ALIGNMENT
-                 * SLICE_ALIGNMENT)
+    least = max(slice_bytes // p.element_size(), -(-p.numel() // MAX_STEP_SLICES))
+    length = -(-least // SLICE_ALIGNMENT) * SLICE_ALIGNMENT
     spread: dict[str, torch.Tensor] = {}  # state of p's shape, one slice at a time
     scalars: dict[str, Any] = {}          # the rest, as the last slice left it
     order: list[str] = []
