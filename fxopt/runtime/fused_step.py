@@ -440,10 +440,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             return False
         grad = p.grad
         if (grad is None or grad.layout != torch.strided or not p.is_contiguous()
-                or not grad.is_contiguous() or grad.shape != p.shape):
+                or not grad.is_contiguous() or grad.shape != p.shape
+                or _wrapper_subclass(p.detach()) or _wrapper_subclass(grad)):
             return False
         return all(_per_element(v, p) or _scalar(v) or not isinstance(v, torch.Tensor)
                    for v in self.optimizer.state.get(p, {}).values())
+
+
+def _wrapper_subclass(t: torch.Tensor) -> bool:
+    """A tensor subclass wrapping others (FSDP2's DTensor shards, quantized tensors), whose
+    flat views are not its elements': stepped whole."""
+    return hasattr(type(t), "__tensor_flatten__")
 
 
 def _per_element(value: Any, p: torch.Tensor) -> bool:
