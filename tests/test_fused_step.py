@@ -103,6 +103,19 @@ def test_big_parameters_stepped_in_slices_train_bit_identically(optimizer, kwarg
     assert report.checked["optimizer_state"] >= 12
 
 
+def test_a_sliced_step_keeps_state_only_where_the_optimizer_keeps_it():
+    """Plain SGD keeps no state: its state_dict stays empty when a weight is stepped in slices."""
+    model = seeded(WideMLP, 96)
+    fused = fuse_optimizer(model, torch.optim.SGD, lr=0.1, step_slice_bytes=4096 * 4)
+    try:
+        for _ in range(2):
+            loss_of(model, torch.randn(3, 96)).backward()
+            fused.step()
+        assert fused.state_dict()["state"] == {}
+    finally:
+        fused.remove()
+
+
 OTHER_OPTIMIZERS = [
     (torch.optim.ASGD, {"lr": 1e-2}), (torch.optim.Adadelta, {}), (torch.optim.Adafactor, {}),
     (torch.optim.Adagrad, {"lr": 1e-2}), (torch.optim.Adamax, {}), (torch.optim.NAdam, {}),

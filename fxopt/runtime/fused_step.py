@@ -519,7 +519,7 @@ def _step_in_slices(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: 
                 own[key].copy_(value)
             else:
                 own[key] = value
-    else:  # in the order the optimizer made it: state_dict() is unchanged
+    elif order:  # in the order the optimizer made it: state_dict() is unchanged
         state[p] = {key: spread[key].view(p.shape) if key in spread else scalars[key]
                     for key in order}
 
