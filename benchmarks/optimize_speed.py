@@ -1,6 +1,6 @@
 """How long ``fxopt.optimize`` takes, in training steps of the original model.
 
-    python benchmarks/optimize_speed.py [--models resnet50,gpt2] [--repeats 3] [--threads 1]
+    python benchmarks/optimize_speed.py [--models resnet50,gpt2,llama] [--repeats 3] [--threads 1]
                                         [--out FILE]
 
 For each model: the median wall time of the original's training step (forward + backward, after
@@ -53,10 +53,24 @@ def gpt2() -> tuple[nn.Module, tuple, dict]:
     return model, (), {"input_ids": ids, "labels": ids}
 
 
+def llama() -> tuple[nn.Module, tuple, dict]:
+    """LlamaForCausalLM, 4 layers, hidden 512 (intermediate 2,048, 8 heads), vocab 32,000,
+    batch 2 x sequence 512, with labels: the CPU size of issue 36's goal (at most 3 steps)."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=512,
+                                      intermediate_size=2048, num_attention_heads=8,
+                                      num_key_value_heads=8, vocab_size=32000,
+                                      max_position_embeddings=512, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 32000, (2, 512))
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
 CASES: dict[str, Callable[[], tuple[nn.Module, tuple, dict]]] = {
-    "resnet50": resnet50, "gpt2": gpt2}
+    "resnet50": resnet50, "gpt2": gpt2, "llama": llama}
 # resnet50 at 8x3x128x128 reaches at best 0.59 of its activations at the peak; 0.6 is feasible.
-BUDGETS = {"resnet50": 0.6, "gpt2": "min"}
+BUDGETS = {"resnet50": 0.6, "gpt2": "min", "llama": "min"}
 
 
 def step_seconds(model: nn.Module, args: tuple, kwargs: dict, repeats: int) -> list[float]:
@@ -93,7 +107,7 @@ def optimize_runs(model: nn.Module, args: tuple, kwargs: dict, budget, repeats: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="resnet50,gpt2")
+    parser.add_argument("--models", default="resnet50,gpt2,llama")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
