@@ -1,5 +1,7 @@
 """fxopt.analysis.memtrack: the live-storage tracker behind measured CPU peaks and predicted ones."""
 
+import contextlib
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -39,3 +41,34 @@ def test_cuda_storages_count_as_512_byte_allocator_blocks_even_as_fakes():
         c = torch.empty(0, device="cuda")         # nothing allocated
     assert tracker.peak_bytes == 512 + 1536
     assert (a.device.type, b.device.type, c.numel()) == ("cuda", "cuda", 0)
+
+
+def test_a_dispatch_mode_turns_autograds_in_place_gradient_sums_into_copies():
+    """Where a tensor's gradient sums two contributions (a tied embedding, a residual branch),
+    autograd adds the later one into the earlier in place when it holds the last reference, but
+    not while any Python dispatch mode is active: there it allocates the sum. The tracker, and
+    every fake-run estimate (run under dispatch modes), therefore count one tensor of that size
+    more than a plain run holds (docs/limits.md). If torch changes this, this test says so."""
+    contributions = []
+
+    class Head(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, w):
+            ctx.shape = h.shape
+            return (h @ w.t()).sum()
+
+        @staticmethod
+        def backward(ctx, grad):
+            made = torch.ones(64, 32) * grad
+            contributions.append(made.data_ptr())
+            return torch.ones(ctx.shape) * grad, made
+
+    def step(mode):
+        w = torch.randn(64, 32, requires_grad=True)
+        with mode:
+            h = torch.nn.functional.embedding(torch.tensor([1, 5]), w)
+            Head.apply(h, w).backward()
+        return w.grad.data_ptr() == contributions[-1]  # the head's tensor now holds the sum
+
+    assert step(contextlib.nullcontext())
+    assert not step(LiveStorageTracker())
