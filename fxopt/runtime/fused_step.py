@@ -503,9 +503,9 @@ def _step_in_slices(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: 
         order = list(made)
         for key, value in made.items():
             if isinstance(value, torch.Tensor) and value.shape == piece.shape and (
-                    not own or _per_element(own[key], p)):
-                if key not in spread:
-                    spread[key] = (own[key].view(-1) if own else
+                    key not in own or _per_element(own[key], p)):
+                if key not in spread:  # p's own state, or a new state of p's shape
+                    spread[key] = (own[key].view(-1) if key in own else
                                    torch.empty(flat.numel(), dtype=value.dtype,
                                                device=value.device))
                 if value is not given.get(key):  # made anew, not updated in place
@@ -513,15 +513,15 @@ def _step_in_slices(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: 
             else:
                 scalars[key] = value
         del made, given, piece
+    for key in order:  # in the order the optimizer made it: state_dict() is unchanged
+        if key in own and isinstance(own[key], torch.Tensor) and key in scalars:
+            own[key].copy_(scalars[key])
+        elif key not in own:
+            own[key] = spread[key].view(p.shape) if key in spread else scalars[key]
+        elif key in scalars:
+            own[key] = scalars[key]
     if own:
-        for key, value in scalars.items():
-            if isinstance(own[key], torch.Tensor):
-                own[key].copy_(value)
-            else:
-                own[key] = value
-    elif order:  # in the order the optimizer made it: state_dict() is unchanged
-        state[p] = {key: spread[key].view(p.shape) if key in spread else scalars[key]
-                    for key in order}
+        state[p] = own
 
 
 def fused_optimizer_of(p: torch.Tensor) -> FusedOptimizer | None:
