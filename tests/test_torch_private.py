@@ -43,6 +43,18 @@ def test_graph_code_generators():
     assert private.codegen_of(other) is private.codegen_of(graph)
 
 
+def test_a_class_over_a_graph_modules_own_keeps_working_after_recompile():
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(3, 3), nn.ReLU()))
+    assert {"_wrapped_call", "__call__"} <= set(vars(type(gm)))  # what recompile() installs
+    bare = private.without_call_wrapper(type(gm))
+    assert not {"_wrapped_call", "__call__"} & set(vars(bare)) and "forward" in vars(bare)
+    x = torch.randn(2, 3)
+    expected = gm(x)
+    gm.__class__ = type("GraphModuleImpl", (bare,), {})
+    gm.recompile()
+    assert torch.equal(gm(x), expected)
+
+
 def test_storage_id_is_shared_by_views_and_differs_between_storages():
     x = torch.randn(4, 4)
     assert private.storage_id(x.untyped_storage()) == private.storage_id(x[1:].untyped_storage())

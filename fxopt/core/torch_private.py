@@ -137,6 +137,16 @@ def copy_codegen(source: fx.Graph, target: fx.Graph) -> None:
     target._codegen = source._codegen
 
 
+def without_call_wrapper(cls: type) -> type:
+    """A copy of a GraphModule's per-instance class without the call wrapper ``recompile()``
+    installs on it (``_wrapped_call`` and the ``__call__`` that reads ``self._wrapped_call``): a
+    class derived from it gets a wrapper of its own at its first recompile, whose ``super()``
+    call must not reach another wrapper (each would call the other)."""
+    members = {k: v for k, v in vars(cls).items()
+               if k not in ("__dict__", "__weakref__", "_wrapped_call", "__call__")}
+    return type(cls.__name__, cls.__bases__, members)
+
+
 def boxed_codegen() -> CodeGen:
     """The boxed calling convention's code generator: ``forward(args_list)`` empties the list."""
     return _BoxedCodeGen()
@@ -293,6 +303,7 @@ __all__ = [
     "tree_unflatten",
     "uncompiled",
     "unset_fake_temporarily",
+    "without_call_wrapper",
     "written_arguments",
     "argument_defaults",
     "tensor_version",

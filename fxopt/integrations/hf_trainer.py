@@ -49,7 +49,7 @@ from torch import fx, nn
 
 from fxopt.core.errors import ConfigError, ExportError, InputError
 from fxopt.core.modules import deepcopy_keeping_hooks, structural_copy
-from fxopt.core.torch_private import MODULE_NAME_METHOD
+from fxopt.core.torch_private import MODULE_NAME_METHOD, without_call_wrapper
 
 _STAND_IN = "_fxopt_pretrained"
 
@@ -255,14 +255,9 @@ def keep_pretrained_interface(gm: fx.GraphModule, model: nn.Module) -> None:
     # PretrainedInterface (GraphModule.__new__ skips classes of that name).
     # Its __name__ stays the model's (LlamaForCausalLM): what an export names its class and a
     # repr shows (only __qualname__ matters to GraphModule.__new__).
-    # Over type(gm) less its call wrapper, which reads self._wrapped_call: once a recompile gave
-    # the new class a wrapper of its own (whose super() call reaches type(gm)'s), each would
-    # call the other. recompile() makes the new class's.
+    # Over type(gm) less its call wrapper: recompile() makes the new class's own.
     base = type(gm)
-    members = {k: v for k, v in vars(base).items()
-               if k not in ("__dict__", "__weakref__", "_wrapped_call", "__call__")}
-    unwrapped = type(base.__name__, base.__bases__, members)
-    gm.__class__ = type("GraphModuleImpl", (PretrainedInterface, unwrapped), {})
+    gm.__class__ = type("GraphModuleImpl", (PretrainedInterface, without_call_wrapper(base)), {})
     gm.__class__.__name__ = base.__name__
     gm.recompile()
 
