@@ -110,9 +110,9 @@ DEFAULT_STEP_SLICE_BYTES = 4 * 2**20  # larger parameters are stepped this many 
 # Optimizers whose update of one element reads only that element's parameter, gradient and
 # state (and the group's scalars): a slice of a parameter can be stepped on its own, exactly.
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-# Slices start at multiples of this many elements: vectorised kernels (AdamW(fused=True) on
-# CPU) compute a tail that is not a whole vector another way, so slices cut anywhere else would
-# round differently from the whole parameter's step.
+# Slices start at multiples of this many elements: a vectorised kernel may compute a tail that
+# is not a whole vector another way (measured with AdamW(fused=True) on CPU, which is now left
+# whole), so slices cut anywhere else could round differently from the whole parameter's step.
 SLICE_ALIGNMENT = 1024
 # Each slice is a call of the optimizer (on a GPU, a launch per kernel of its step): a parameter
 # is cut into at most this many, each then larger than step_slice_bytes where the parameter is
@@ -419,9 +419,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             everything = group["params"]
             optimizer.param_groups = [group]
             try:
-                # the fused kernel allocates no temporaries: nothing to slice
-                sliced = [p for p in chosen if not group.get("fused") and self._sliced(p)]
-                whole = [p for p in chosen if all(p is not q for q in sliced)]
+                whole, sliced = [], []
+                for p in chosen:  # the fused kernel allocates no temporaries: nothing to slice
+                    (sliced if not group.get("fused") and self._sliced(p) else whole).append(p)
                 if whole:
                     _step_only(optimizer, group, whole)
                 for p in sliced:
@@ -514,11 +514,11 @@ def _step_in_slices(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: 
                 scalars[key] = value
         del made, given, piece
     for key in order:  # in the order the optimizer made it: state_dict() is unchanged
-        if key in own and isinstance(own[key], torch.Tensor) and key in scalars:
+        if key in spread:  # p's own state was updated through its views
+            own.setdefault(key, spread[key].view(p.shape))
+        elif isinstance(own.get(key), torch.Tensor):
             own[key].copy_(scalars[key])
-        elif key not in own:
-            own[key] = spread[key].view(p.shape) if key in spread else scalars[key]
-        elif key in scalars:
+        else:
             own[key] = scalars[key]
     if own:
         state[p] = own
