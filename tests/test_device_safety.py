@@ -54,6 +54,9 @@ from fxopt.export import export, load_exported
 from fxopt.runtime.devices import tensor_device
 from fxopt.runtime.input_guard import InputGuard
 from fxopt.models_zoo import registry
+from fxopt.verify.fused_training import verify_fused_training
+from fxopt.verify.tensor_diff import DEFAULT_TOLERANCES, compare_named
+from helpers import WideMLP, seeded
 
 FULL = os.environ.get("FXOPT_DEVICE_SAFETY_FULL") == "1"
 BUDGETS = (None, "min")
@@ -472,3 +475,23 @@ def test_cuda_a_module_moved_to_another_gpu_trains_there():
     out1.loss.backward()
     assert out1.loss.device == torch.device("cuda:1")
     torch.testing.assert_close(out1.loss.cpu(), out0.loss.detach().cpu())
+
+
+def test_the_sliced_fused_step_and_the_fast_comparison_with_the_default_device_elsewhere():
+    """Two paths that run on a GPU as they run here, in bfloat16: the fused AdamW step of a
+    parameter in slices (from the first step, where the slices' state is gathered) and
+    verification's float32 fast check, passing and failing."""
+    model = seeded(WideMLP, 96).to(torch.bfloat16)
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    ref = {"w": torch.linspace(1, 2, 4096).to(torch.bfloat16)}
+    close = {"w": (ref["w"].float() * (1 + 1e-3)).to(torch.bfloat16)}
+    far = {"w": close["w"].clone().index_fill_(0, torch.tensor([7]), 9.0)}
+    with default_device_elsewhere():
+        report = verify_fused_training(model, torch.optim.AdamW, x, steps=2, strict=True,
+                                       step_slice_bytes=4096 * 2, lr=1e-2)
+        assert report.ok and report.bit_identical, str(report)
+        found: list = []
+        assert compare_named("param_grad", ref, close, DEFAULT_TOLERANCES, found) == 1
+        assert not found
+        compare_named("param_grad", ref, far, DEFAULT_TOLERANCES, found)
+        assert len(found) == 1 and found[0].detail.startswith("1 of 4096 elements outside")
