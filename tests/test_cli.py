@@ -138,6 +138,15 @@ def test_check_exit_codes_and_json(capsys, monkeypatch):
 
 
 def test_bench_table_and_json(capsys):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # not 1: --threads 1 must change it, then restore it
+    try:
+        _bench_table_and_json(capsys)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _bench_table_and_json(capsys):
     threads = torch.get_num_threads()
     code, out, _ = run(["bench", "zoo:mlp", "--peers", "checkpoint_sequential", "--repeats", "1",
                         "--threads", "1", "--json"], capsys)
