@@ -183,6 +183,31 @@ def test_a_batch_of_one_the_model_treats_apart_is_refused_not_computed_wrongly()
         gm(torch.randn(4, 9))
 
 
+class BranchOnOneRowInEval(BranchOnOneRow):
+    """Takes another path for a batch of one row in eval mode only."""
+
+    def forward(self, x):
+        h = self.lin(x)
+        if not self.training and x.shape[0] == 1:
+            return h * 2
+        return h
+
+
+def test_a_batch_of_one_treated_apart_only_in_eval_mode_is_refused_in_eval_mode():
+    """The train graph at a batch of 4 passes every batch of 1 through a second trace; the eval
+    graph is not assumed to be the train graph: the size test on the eval path leaves its mark
+    (the oblivious trace records it), so eval gets a graph and a second trace of its own."""
+    model, x = BranchOnOneRowInEval(), torch.randn(4, 8)
+    gm = capture_with_export(model, (x,))
+    assert gm.meta["fxopt_trace"].mode_dependent
+    one = torch.randn(1, 8)
+    assert torch.equal(gm(one), model(one))  # train mode: no branch, a batch of 1 is served
+    model.eval(), gm.eval()
+    with torch.no_grad(), pytest.raises(fxopt.InputError, match="treats a batch of 1 apart"):
+        gm(one)
+    assert torch.equal(gm(x), model(x))
+
+
 def test_guards_read_as_size_expressions():
     expr = parse_guard("((L['tensors'][1].size()[1]*L['tensors'][1].size()[0]) % "
                        "L['tensors'][0].size()[0]) == 0")
