@@ -28,8 +28,8 @@ settings.load_profile(os.environ.get("FXOPT_HYPOTHESIS_PROFILE", "ci"))
 def _share_the_cores_between_workers() -> None:
     """Under pytest-xdist, each worker gets its share of the cores for torch's intra-op threads
     (and so do the processes a test starts: OMP_NUM_THREADS). Otherwise every worker starts one
-    thread per core, and on CI's two cores two workers' threads wait on each other: the whole
-    suite took 13 min 24 s that way, 9 min 55 s with the share (2026-11-27, two cores)."""
+    thread per core, and on CI's two cores two workers' threads wait on each other: six heavy
+    files took 4-8% longer that way (alternated runs, two cores, 2026-11-27)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         threads = max(1, (os.cpu_count() or 1) // workers)
