@@ -33,6 +33,15 @@ logits there when the transforms need them. Without grad (or when no input requi
 call computes the loss alone, chunk by chunk. ``CHUNKED_LOSS_CALLS``: the functions a graph
 calls, which ``fxopt.capture.trace`` records as calls when an optimized module is traced again.
 
+With a fused optimizer step (``fxopt.fuse_optimizer``) that takes the weight's gradient in rows
+(``FusedOptimizer.takes_gradient_rows``; a weight larger than its ``step_slice_bytes``, no
+autocast, no logits returned), forward does not accumulate that gradient: it keeps each token's
+log-sum-exp (and a copy of the bias, which its own step may update first), and backward hands the
+step a function that recomputes rows of the weight's gradient from the hidden states over chunks
+of tokens (Apple's Cut Cross-Entropy's way). The vocab x hidden gradient is never made; it costs
+one more projection of the hidden states onto the vocabulary, in backward. Where the step is
+paused (fxopt's own runs) or gone by backward, the gradient is made whole as before.
+
 Not handled: class weights, ``reduction="none"``, probability targets (the pass refuses them).
 A second backward through the same call (``retain_graph=True``) raises autograd's error about a
 tensor modified in place: backward scales the kept gradients in place, so no second copy of the
@@ -287,7 +296,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         valid = target != ignore_index
         count = valid.sum()
         grad_h = torch.empty_like(flat) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        # the weight's gradient handed to its fused optimizer step in rows, computed there
+        stepper = _rows_stepper(weight) if need_w and keep is None and not autocast else None
+        grad_w = torch.zeros_like(weight) if need_w and stepper is None else None
         grad_b = torch.zeros_like(bias) if need_b else None
         out_dtype = _loss_dtype(flat, weight, transforms, autocast)
         total = torch.zeros((), dtype=torch.promote_types(out_dtype, torch.float32),
@@ -297,6 +308,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_scale = torch.where(count > 0, 1.0 / count.to(total.dtype), 0.0)
         prefix, rest = transforms[:keep or 0], transforms[keep or 0:]
         logits = None
+        lse_rows = None
         for start in chunk_starts(rows, max(1, rows_per_chunk)):
             stop = min(start + max(1, rows_per_chunk), rows)
             h = flat[start:stop]
@@ -314,6 +326,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             t, ok = target[start:stop], valid[start:stop]
             safe = t.masked_fill(~ok, 0).unsqueeze(1)
             lse = torch.logsumexp(y, dim=1)
+            if stepper is not None:
+                if lse_rows is None:
+                    lse_rows = lse.new_empty(rows)
+                lse_rows[start:stop].copy_(lse)
             row = lse - y.gather(1, safe).squeeze(1) * (1.0 - smoothing)
             if smoothing:
                 row = row - y.mean(dim=1) * smoothing
@@ -336,8 +352,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.has = tuple(g is not None for g in kept)
         ctx.lead, ctx.rows_per_chunk, ctx.prefix = lead, max(1, rows_per_chunk), prefix
         ctx.has_bias = bias is not None
+        ctx.stepper = stepper
         inputs = [flat, weight] + ([bias] if bias is not None else []) if (
             keep is not None and need_grad) else []
+        if stepper is not None:  # what the weight's gradient is recomputed from, in rows
+            ctx.head = (transforms, smoothing, grad_scale)
+            inputs = [flat, weight, target, valid,
+                      lse_rows if lse_rows is not None else flat.new_empty(0),
+                      # as forward read it: its own step may come before the weight's
+                      *([bias.detach().clone()] if bias is not None else [])]
         ctx.save_for_backward(*[g for g in kept if g is not None], *inputs)
         ctx.set_materialize_grads(False)
         if logits is None:
@@ -356,7 +379,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         else:
             grads = [None if g is None else g.zero_() for g in grads]
         grad_h, grad_w, grad_b = grads
-        if grad_logits is not None and saved:
+        if ctx.stepper is not None:
+            grad_w = _hand_over_weight_gradient(ctx, saved, grad_loss)
+        elif grad_logits is not None and saved:
             flat, weight = saved[0], saved[1]
             bias = saved[2] if ctx.has_bias else None
             rows = flat.shape[0]
@@ -373,6 +398,77 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if grad_h is not None:
             grad_h = grad_h.view(*ctx.lead, grad_h.shape[-1])
         return grad_h, grad_w, grad_b, None, None
+
+
+def _rows_stepper(weight: torch.Tensor) -> Any:
+    """The fused optimizer step (``fxopt.fuse_optimizer``) that takes ``weight``'s gradient in
+    rows (``FusedOptimizer.takes_gradient_rows``) where ``weight`` is large enough to be
+    stepped in slices anyway; else None (the gradient is made whole in forward)."""
+    from .fused_step import fused_optimizer_of
+    fused = fused_optimizer_of(weight)
+    if fused is None or weight.numel() * weight.element_size() <= fused.step_slice_bytes:
+        return None
+    return fused if fused.takes_gradient_rows(weight) else None
+
+
+def _hand_over_weight_gradient(ctx: Any, saved: list[torch.Tensor],
+                               grad_loss: torch.Tensor | None) -> torch.Tensor | None:
+    """Backward where forward left the weight's gradient to its fused step: hand the step a
+    function computing rows of it (None returned for the weight), or, where that step no longer
+    takes it (paused or removed since forward), the gradient whole."""
+    flat, weight, target, valid, lse = saved[:5]
+    bias = saved[5] if ctx.has_bias else None
+    if grad_loss is None:
+        return None
+    transforms, smoothing, grad_scale = ctx.head
+    scale = valid.to(lse.dtype) * grad_loss.to(lse.dtype)
+    if grad_scale is not None:
+        scale.mul_(grad_scale)
+
+    def rows_of(first: int, last: int) -> torch.Tensor:
+        return _weight_gradient_rows(flat, weight, bias, target, scale, lse, first, last,
+                                     transforms, smoothing)
+
+    stepper = ctx.stepper
+    ctx.stepper = None
+    if stepper.takes_gradient_rows(weight):
+        stepper.defer_gradient_rows(weight, rows_of)
+        return None
+    return rows_of(0, weight.shape[0])
+
+
+def _weight_gradient_rows(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          target: torch.Tensor, scale: torch.Tensor, lse: torch.Tensor,
+                          first: int, last: int, transforms: tuple, smoothing: float
+                          ) -> torch.Tensor:
+    """Rows ``first:last`` of the loss's gradient for the weight (vocabulary entries),
+    recomputed over chunks of tokens from the hidden states, each token's log-sum-exp over the
+    whole vocabulary (kept from forward) and its target: ``dz[:, first:last]^T @ hidden``,
+    ``dz`` the logits' gradient, scaled per token by ``scale`` (the loss's gradient, the mean's
+    divisor, zero where ignored). A chunk's temporaries are tokens x rows (Cut Cross-Entropy's
+    way: one more projection of those rows, no vocab x hidden tensor)."""
+    tokens, size = flat.shape
+    vocab, rows = weight.shape[0], last - first
+    part = weight[first:last]
+    part_bias = None if bias is None else bias[first:last]
+    out = torch.zeros((rows, size), dtype=weight.dtype, device=weight.device)
+    budget = max(tokens * size * flat.element_size(), TARGET_CHUNK_BYTES)
+    step = max(1, min(tokens, max(MIN_CHUNK_ROWS,
+                                  floor_pow2(budget // (rows * lse.element_size())))))
+    for start in chunk_starts(tokens, step):
+        stop = min(start + step, tokens)
+        h, t = flat[start:stop], target[start:stop]
+        z = F.linear(h, part, part_bias)
+        y, steps = _forward_transforms(z, transforms, need_grad=True)
+        grad = y.sub_(lse[start:stop].unsqueeze(1)).exp_()
+        here = (t >= first) & (t < last)
+        column = (t - first).clamp(0, rows - 1).unsqueeze(1)
+        grad.scatter_add_(1, column, here.to(grad.dtype).mul_(smoothing - 1.0).unsqueeze(1))
+        if smoothing:
+            grad.sub_(smoothing / vocab)
+        grad.mul_(scale[start:stop].unsqueeze(1))
+        _accumulate(_backward_transforms(grad, steps).to(z.dtype), h, part, None, out, None)
+    return out
 
 
 def _accumulate(dz: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,

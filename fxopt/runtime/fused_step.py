@@ -70,6 +70,15 @@ element (``_step_in_slices``: exact, bit for bit), in at most ``MAX_STEP_SLICES`
 temporaries are a slice's (an LM's 128,256 x 2,048 bf16 head in the for-loop AdamW: 64 MiB
 instead of 1 GiB).
 
+Gradients handed over in rows. The node that computes a gradient may hand it to the step as a
+function of rows instead of whole (``defer_gradient_rows``, where ``takes_gradient_rows``): when
+the parameter's gradient is complete, the step computes one block of rows (``rows_per_block``:
+the slices above, in whole rows), adds what autograd accumulated there (a tied embedding's
+gradient), steps the block and drops it before the next. ``fxopt.runtime.chunked_loss`` does
+this for a language model's head, so its vocab x hidden gradient is never made. The parameter's
+accumulate hook fires even when no node returned a gradient for it (the head's own node returns
+None); if it never fired, ``step()`` would step what was handed over.
+
 Where the peak is late in backward (most gradients alive) the peak drops by about the
 gradients; where it is at the end of forward (activations), the step of a big last-layer
 parameter can add its temporaries to it. With activation
@@ -92,6 +101,7 @@ like all of ``fxopt.runtime``.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -175,6 +185,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._pieces: dict[int, int] = {}   # id(p) -> backward passes received since step()
         self._applied: set[int] = set()     # id(p) stepped since step()
         self._pending: list[torch.Tensor] = []  # complete gradients of small parameters
+        # id(p) -> what computes rows of p's gradient, registered in backward
+        # (``defer_gradient_rows``), stepped a block of rows at a time when p's gradient is whole
+        self._deferred: dict[int, Callable[[int, int], torch.Tensor]] = {}
         self._pending_bytes = 0
         self._group_index: dict[int, int] = {}
         self._groups_shape: tuple[int, ...] = ()
@@ -264,6 +277,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                      "GradScaler), or the ordinary optimizer with the GradScaler")
         with self._lock:
             self._flush()
+            for p in self.parameters():  # a hook that never came: step them now
+                if id(p) in self._deferred:
+                    self._apply_rows(p, self._deferred.pop(id(p)))
             self._apply([p for p in self.parameters()
                          if p.grad is not None and id(p) not in self._applied])
             if self.ddp is not None:
@@ -280,6 +296,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._pieces.clear()
         self._pending.clear()
         self._pending_bytes = 0
+        self._deferred.clear()
 
     def register_step_pre_hook(self, hook: Callable) -> Any:
         self._refuse_step_hooks()
@@ -300,6 +317,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._deferred.clear()
         self._removed = True
         _LIVE.discard(self)
 
@@ -380,7 +398,14 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _ready(self, p: torch.Tensor) -> None:
         """``p``'s gradient is complete: step it now if it is big, else with the next small ones
-        (fewer optimizer calls; a bucket never holds more than ``bucket_bytes`` of gradients)."""
+        (fewer optimizer calls; a bucket never holds more than ``bucket_bytes`` of gradients).
+        A gradient handed over in rows (``defer_gradient_rows``) is stepped now, block by
+        block."""
+        rows_of = self._deferred.pop(id(p), None)
+        if rows_of is not None:
+            self._flush()
+            self._apply_rows(p, rows_of)
+            return
         nbytes = p.numel() * p.element_size()
         if nbytes >= self.bucket_bytes:
             self._flush()  # the small ones first: freed before the big step's temporaries
@@ -447,6 +472,81 @@ class FusedOptimizer(torch.optim.Optimizer):
                    for v in self.optimizer.state.get(p, {}).values())
 
 
+    # ------------------------------------------------------- gradients handed over in rows
+    def takes_gradient_rows(self, p: torch.Tensor) -> bool:
+        """Whether backward may hand ``p``'s gradient to this optimizer as a function of rows
+        (``defer_gradient_rows``) instead of whole: this optimizer steps ``p`` in backward now
+        (active, frees gradients there), its update of an element reads only that element
+        (``ELEMENTWISE_OPTIMIZERS``, and no per-parameter norm to clip by), and ``p``'s rows are
+        blocks of its memory (contiguous, not a wrapper subclass, its state per element)."""
+        return (self.active and self.frees_gradients_in_backward
+                and self.max_grad_norm_per_parameter is None
+                and type(self.optimizer) in ELEMENTWISE_OPTIMIZERS
+                and p.dim() >= 1 and p.shape[0] > 0 and p.is_contiguous()
+                and not _wrapper_subclass(p.detach()) and self._group_of(p) is not None
+                and all(_per_element(v, p) or _scalar(v) or not isinstance(v, torch.Tensor)
+                        for v in self.optimizer.state.get(p, {}).values()))
+
+    def defer_gradient_rows(self, p: torch.Tensor,
+                            rows_of: Callable[[int, int], torch.Tensor]) -> None:
+        """Called in backward, where an autograd node would return a gradient for ``p``:
+        ``rows_of(start, stop)`` computes rows ``start:stop`` of that contribution on demand
+        (the node returns None for ``p``). When ``p``'s gradient is complete (its accumulate
+        hook, after any other contribution autograd accumulated in ``p.grad``: a tied
+        embedding's), ``p`` is stepped one block of rows at a time: the block's rows are
+        computed, added to ``p.grad``'s, stepped, and dropped before the next block. So the
+        contribution never exists whole (a language model's head: vocab x hidden). Only where
+        ``takes_gradient_rows(p)``; a second contribution before ``step()`` raises, as a second
+        gradient does."""
+        with self._lock:
+            if id(p) in self._deferred or id(p) in self._applied:
+                self._second_gradient(p, 2)
+            self._deferred[id(p)] = rows_of
+
+    def rows_per_block(self, p: torch.Tensor) -> int:
+        """Rows of ``p`` stepped at once when its gradient comes in rows: the slices
+        ``_step_in_slices`` would cut (at least ``step_slice_bytes``, at most
+        ``MAX_STEP_SLICES`` of them), rounded to whole rows that start at multiples of
+        ``SLICE_ALIGNMENT`` elements."""
+        row = max(1, p[0].numel())
+        least = max(self.step_slice_bytes // p.element_size(), -(-p.numel() // MAX_STEP_SLICES))
+        align = SLICE_ALIGNMENT // math.gcd(SLICE_ALIGNMENT, row)
+        rows = -(-max(1, -(-least // row)) // align) * align
+        return min(rows, p.shape[0])
+
+    def _apply_rows(self, p: torch.Tensor, rows_of: Callable[[int, int], torch.Tensor]) -> None:
+        """Step ``p`` block by block (``rows_per_block``), each block's gradient
+        ``rows_of(start, stop)`` plus what ``p.grad`` holds there, then free ``p.grad``."""
+        index = self._group_of(p)
+        accumulated, row = p.grad, max(1, p[0].numel())
+        rows = self.rows_per_block(p)
+        clip = self.clip_grad_value
+
+        def blocks() -> Iterator[tuple[int, int, torch.Tensor]]:
+            for start in range(0, p.shape[0], rows):
+                stop = min(start + rows, p.shape[0])
+                grad = rows_of(start, stop).to(p.dtype)
+                if accumulated is not None:
+                    grad = accumulated[start:stop].add_(grad)
+                if clip is not None:
+                    grad.clamp_(min=-clip, max=clip)
+                yield start * row, stop * row, grad.view(-1)
+                del grad
+
+        if index is not None:
+            optimizer, groups = self.optimizer, self.optimizer.param_groups
+            group = groups[index]
+            everything = group["params"]
+            optimizer.param_groups = [group]
+            try:
+                _step_pieces(optimizer, group, p, blocks())
+            finally:
+                group["params"] = everything
+                optimizer.param_groups = groups
+        p.grad = None
+        self._applied.add(id(p))
+
+
 def _wrapper_subclass(t: torch.Tensor) -> bool:
     """A tensor subclass wrapping others (FSDP2's DTensor shards, quantized tensors), whose
     flat views are not its elements': stepped whole."""
@@ -480,18 +580,27 @@ def _step_in_slices(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: 
     ``step``) is copied per slice, and every slice advances it alike, so ``p``'s copy takes the
     last slice's. On ``p``'s first step the optimizer makes each slice's state (SGD's first
     momentum is the gradient itself), which is gathered into state of ``p``'s shape."""
-    state = optimizer.state
-    own = state.get(p) or {}
-    flat, grad = p.detach().view(-1), p.grad.view(-1)
+    grad = p.grad.view(-1)
     least = max(slice_bytes // p.element_size(), -(-p.numel() // MAX_STEP_SLICES))
     length = -(-least // SLICE_ALIGNMENT) * SLICE_ALIGNMENT
+    _step_pieces(optimizer, group, p,
+                 ((start, min(start + length, grad.numel()), grad[start:start + length])
+                  for start in range(0, grad.numel(), length)))
+
+
+def _step_pieces(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor,
+                 pieces: Iterable[tuple[int, int, torch.Tensor]]) -> None:
+    """Step ``p`` piece by piece: ``pieces`` yields ``(start, stop, grad)``, the flat elements
+    ``start:stop`` of ``p`` (in order, covering it) and their gradient (``_step_in_slices``)."""
+    state = optimizer.state
+    own = state.get(p) or {}
+    flat = p.detach().view(-1)
     spread: dict[str, torch.Tensor] = {}  # state of p's shape, one slice at a time
     scalars: dict[str, Any] = {}          # the rest, as the last slice left it
     order: list[str] = []
-    for start in range(0, flat.numel(), length):
-        stop = min(start + length, flat.numel())
+    for start, stop, grad in pieces:
         piece = flat[start:stop]
-        piece.grad = grad[start:stop]
+        piece.grad = grad
         given = {k: v.view(-1)[start:stop] if _per_element(v, p)
                  else v.clone() if isinstance(v, torch.Tensor) else v for k, v in own.items()}
         if own:
@@ -512,7 +621,7 @@ def _step_in_slices(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: 
                     spread[key][start:stop].copy_(value)
             else:
                 scalars[key] = value
-        del made, given, piece
+        del made, given, piece, grad
     for key in order:  # in the order the optimizer made it: state_dict() is unchanged
         if key in spread:  # p's own state was updated through its views
             own.setdefault(key, spread[key].view(p.shape))

@@ -1,0 +1,232 @@
+"""A language model's head gradient handed to its fused optimizer step in rows (issue 36, item 2).
+
+With a fused optimizer step (``fxopt.fuse_optimizer``) the chunked loss leaves the head weight's
+gradient (vocab x hidden, the largest gradient of a language model) to that step: backward hands
+it a function computing rows of it, and the step computes, adds (to a tied embedding's gradient),
+steps and drops one block of rows at a time. What these tests hold it to:
+
+- the parameters move exactly as the whole gradient moves them (SGD at lr 1: the update *is*
+  the gradient), tied or untied, with a bias, label smoothing, ignored targets and a soft-cap;
+- the whole head gradient is never made, and the step happens in backward, when the gradient is
+  complete (the head's own node returns no gradient; the parameter's accumulate hook still
+  fires);
+- AdamW's fused kernel steps the row blocks as it steps the whole parameter;
+- the memory estimate equals a real fused step, to the byte, on this path too;
+- paused (fxopt's own runs), the gradient is made whole as before.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxopt
+from fxopt.analysis.estimate import estimate_peak
+from fxopt.analysis.memtrack import LiveStorageTracker
+from fxopt.core.step import training_step
+from fxopt.runtime.chunked_loss import chunked_loss
+from fxopt.runtime.fused_step import paused
+from device_mode import default_device_elsewhere
+
+VOCAB, HIDDEN, TOKENS = 2000, 64, 96
+SOFT_CAP = (("div", 8.0), ("tanh",), ("mul", 8.0))
+
+
+class TinyLM(nn.Module):
+    """Embedding, one layer, a head with a bias; the loss through ``chunked_loss``."""
+
+    def __init__(self, tied: bool, transforms: tuple = ()):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB if tied else 300, HIDDEN)
+        self.layer = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.transforms = transforms
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.layer(self.embed(ids))) * 2.0
+        return chunked_loss(hidden, self.head.weight, self.head.bias, targets, chunk_rows=32,
+                            label_smoothing=0.1, transforms=self.transforms)
+
+
+def _batch(model: TinyLM) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.embed.num_embeddings, (TOKENS,), generator=generator)
+    targets = torch.randint(0, VOCAB, (TOKENS,), generator=generator)
+    targets[::5] = -100
+    if model.embed.num_embeddings == VOCAB:  # some targets are the tokens looked up
+        targets[1::7] = ids[1::7]
+    return ids, targets
+
+
+def _model(tied: bool, transforms: tuple = ()) -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM(tied, transforms)
+
+
+@pytest.mark.parametrize("transforms", [(), SOFT_CAP], ids=["plain", "soft_cap"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_rows_handed_over_move_the_parameters_as_the_whole_gradient(tied, transforms):
+    """SGD at lr 1 subtracts the gradient itself. The head's rows are recomputed in backward
+    from the hidden states, the bias as forward read it (the bias is stepped first, in its
+    bucket) and each token's log-sum-exp; a tied embedding's rows are added to them."""
+    model = _model(tied, transforms)
+    batch = _batch(model)
+    reference = copy.deepcopy(model)
+    reference(*batch).backward()
+    fused = fxopt.fuse_optimizer(model, torch.optim.SGD, lr=1.0, step_slice_bytes=2**14)
+    try:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model(*batch).backward()
+        fused.step()
+    finally:
+        fused.remove()
+    assert fused.rows_per_block(model.head.weight) < VOCAB  # stepped in several blocks
+    for name, p in model.named_parameters():
+        expected = dict(reference.named_parameters())[name].grad
+        # atol: before - after rounds to the parameters' last bit (up to 4.8e-7 here)
+        torch.testing.assert_close(before[name] - p.detach(), expected, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+class _Sizes(TorchDispatchMode):
+    """Counts the storages of ``nbytes`` bytes that ops make (views and detached aliases of an
+    existing storage are not new)."""
+
+    def __init__(self, nbytes: int):
+        super().__init__()
+        self.nbytes, self.seen = nbytes, set()
+        self.made = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if storage.nbytes() == self.nbytes and id(storage) not in before and \
+                    storage.data_ptr() not in self.seen:
+                self.seen.add(storage.data_ptr())
+                self.made += 1
+        return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_whole_head_gradient_is_never_made_and_the_step_runs_in_backward(tied):
+    """Untied, no vocab x hidden tensor is made at all; tied, only the embedding's own gradient
+    (its backward makes it whole). Paused, the head's gradient is made whole in forward, as
+    without a fused step. Either way the head is updated by the end of backward: its accumulate
+    hook fires although the loss's node returns no gradient for it."""
+    model = _model(tied)
+    batch = _batch(model)
+    fused = fxopt.fuse_optimizer(model, torch.optim.AdamW, lr=1e-3, step_slice_bytes=2**14)
+    head = model.head.weight
+    try:
+        model(*batch).backward()  # AdamW's moments exist from here on
+        fused.step()
+        before = head.detach().clone()
+        sizes = _Sizes(head.numel() * head.element_size())
+        with sizes:
+            model(*batch).backward()
+        assert sizes.made == (1 if tied else 0)
+        assert not torch.equal(before, head.detach())  # stepped in backward
+        assert head.grad is None
+        fused.step()
+        with paused(model.parameters()), _Sizes(head.numel() * head.element_size()) as whole:
+            model(*batch).backward()
+        assert whole.made > sizes.made and head.grad is not None  # made whole in forward
+    finally:
+        fused.remove()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_adamw_fused_kernel_trains_in_rows_as_on_the_whole_gradient(tied):
+    """AdamW(fused=True), the GPU setup: three steps with the rows handed over against three
+    with the ordinary optimizer on the whole gradient."""
+    model = _model(tied)
+    batch = _batch(model)
+    reference = copy.deepcopy(model)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    fused = fxopt.fuse_optimizer(model, torch.optim.AdamW, lr=1e-3, fused=True,
+                                 step_slice_bytes=2**14)
+    try:
+        for _ in range(3):
+            reference(*batch).backward()
+            plain.step()
+            plain.zero_grad()
+            model(*batch).backward()
+            fused.step()
+    finally:
+        fused.remove()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _LossOf(nn.Module):
+    def __init__(self, model: TinyLM, batch: tuple):
+        super().__init__()
+        self.model = model
+        self.register_buffer("targets", batch[1])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, self.targets)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_estimate_equals_a_real_step_that_takes_the_head_in_rows(tied):
+    model = _model(tied)
+    batch = _batch(model)
+    wrapped = _LossOf(model, batch)
+    fused = fxopt.fuse_optimizer(wrapped, torch.optim.AdamW, lr=1e-3, step_slice_bytes=2**14)
+    try:
+        training_step(wrapped, (batch[0],))
+        fused.step()
+        estimate = estimate_peak(wrapped, (batch[0],), fused_optimizer=fused)
+        tracker = LiveStorageTracker()
+        with tracker:
+            training_step(wrapped, (batch[0],))
+            fused.step()
+    finally:
+        fused.remove()
+    assert estimate.train_bytes - estimate.baseline_bytes == tracker.peak_bytes
+
+
+def test_bfloat16_weights_with_the_loss_upcast_step_in_rows_on_any_device():
+    """The GPU setup on a CPU: bfloat16 weights (initialised small, as language models are),
+    the logits upcast to float32 for the loss (as Hugging Face computes it). SGD at lr 100
+    moves each parameter by 100 times its gradient, through rows or whole; every tensor the rows
+    path makes is made where the model is (the default device is ``meta`` meanwhile)."""
+    torch.manual_seed(0)
+    model = TinyLM(True, (("to", torch.float32),))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.02)
+    model = model.to(torch.bfloat16)
+    batch = _batch(model)
+    reference = copy.deepcopy(model)
+    before = copy.deepcopy(model)
+    plain = torch.optim.SGD(reference.parameters(), lr=100.0)
+    fused = fxopt.fuse_optimizer(model, torch.optim.SGD, lr=100.0, step_slice_bytes=2**13)
+    try:
+        with default_device_elsewhere():
+            reference(*batch).backward()
+            plain.step()
+            model(*batch).backward()
+            fused.step()
+    finally:
+        fused.remove()
+    moved = (model.head.weight.float() - before.head.weight.float()).abs().max()
+    assert moved > 1e-2  # the step is far above the tolerance below
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.dtype == torch.bfloat16
+        # bfloat16 rounds the gradient and the parameter to 8 bits: a last bit may differ
+        torch.testing.assert_close(p, q, rtol=1.6e-2, atol=2.5e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
