@@ -38,7 +38,8 @@ def llama():
         use_cache=False))
 '''
 INPUTS = [f"input_ids=2,{SEQ}:int64:0-{VOCAB}", "labels=@input_ids"]
-RUNS = {"plain": [], "min": ["--memory-budget", "min"]}
+RUNS = {"plain": [], "min": ["--memory-budget", "min"],
+        "min_loss": ["--memory-budget", "min", "--outputs", "loss"]}  # logits not built
 
 
 def _expected(model, kwargs: dict) -> dict:

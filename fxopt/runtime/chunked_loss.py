@@ -64,6 +64,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .fused_step import fused_optimizer_of
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # Inside fxopt's fake-tensor runs, which observe memory and shapes but no values, the chunk
@@ -404,7 +406,6 @@ def _rows_stepper(weight: torch.Tensor) -> Any:
     """The fused optimizer step (``fxopt.fuse_optimizer``) that takes ``weight``'s gradient in
     rows (``FusedOptimizer.takes_gradient_rows``) where ``weight`` is large enough to be
     stepped in slices anyway; else None (the gradient is made whole in forward)."""
-    from .fused_step import fused_optimizer_of
     fused = fused_optimizer_of(weight)
     if fused is None or weight.numel() * weight.element_size() <= fused.step_slice_bytes:
         return None
