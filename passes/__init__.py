@@ -12,6 +12,7 @@ from fxopt.rewrite.registry import PassRegistry, PassSpec
 from fxopt.passes.causal_attention import causal_attention
 from fxopt.passes.checkpoint import checkpoint
 from fxopt.passes.chunked_loss import chunked_loss
+from fxopt.passes.embedding_rows import embedding_rows
 from fxopt.passes.inplace_activations import inplace_activations
 from fxopt.passes.pad_channels import pad_channels
 from fxopt.passes.reorder import reorder
@@ -31,6 +32,10 @@ REGISTRY = PassRegistry([
              "batch x sequence x vocab tensors of the loss are never held "
              "(outputs='loss': logits the model only returns are not built)",
              default=False, aliases=("chunked",), budget="joins", reads_training=True),
+    PassSpec("embedding_rows", embedding_rows,
+             "with the optimizer step fused into backward, an embedding's gradient is stepped "
+             "a block of rows at a time, never made dense (vocab x hidden)",
+             aliases=("embedding",), reads_training=True),
     PassSpec("checkpoint", checkpoint,
              "recompute the cheapest regions in backward to fit a memory budget, and size "
              "the chunked loss's chunks with the plan",
@@ -43,5 +48,5 @@ REGISTRY = PassRegistry([
 ])
 
 __all__ = ["REGISTRY", "PassRegistry", "PassSpec", "causal_attention", "checkpoint",
-           "chunked_loss", "inplace_activations",
+           "chunked_loss", "embedding_rows", "inplace_activations",
            "keep_blocks", "pad_channels", "reorder"]

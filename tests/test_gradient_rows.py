@@ -21,6 +21,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -28,28 +29,36 @@ import fxopt
 from fxopt.analysis.estimate import estimate_peak
 from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.core.step import training_step
+from fxopt.core.training_setup import TrainingSetup
+from fxopt.passes import embedding_rows as embedding_rows_pass
 from fxopt.runtime.chunked_loss import chunked_loss
+from fxopt.runtime.embedding_rows import embedding_rows
 from fxopt.runtime.fused_step import paused
 from device_mode import default_device_elsewhere
+from helpers import check_pass
 
 VOCAB, HIDDEN, TOKENS = 2000, 64, 96
 SOFT_CAP = (("div", 8.0), ("tanh",), ("mul", 8.0))
 
 
 class TinyLM(nn.Module):
-    """Embedding, one layer, a head with a bias; the loss through ``chunked_loss``."""
+    """Embedding, one layer, a head with a bias; the loss through ``chunked_loss``; the lookup
+    through ``embedding_rows`` when ``rows_lookup`` (as ``passes.embedding_rows`` rewrites it),
+    with a padding row."""
 
-    def __init__(self, tied: bool, transforms: tuple = ()):
+    def __init__(self, tied: bool, transforms: tuple = (), rows_lookup: bool = False):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB if tied else 300, HIDDEN)
+        self.embed = nn.Embedding(VOCAB if tied else 3000, HIDDEN, padding_idx=5)
         self.layer = nn.Linear(HIDDEN, HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB)
         if tied:
             self.head.weight = self.embed.weight
-        self.transforms = transforms
+        self.transforms, self.rows_lookup = transforms, rows_lookup
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        hidden = torch.tanh(self.layer(self.embed(ids))) * 2.0
+        looked_up = (embedding_rows(self.embed.weight, ids, 5) if self.rows_lookup
+                     else self.embed(ids))
+        hidden = torch.tanh(self.layer(looked_up)) * 2.0
         return chunked_loss(hidden, self.head.weight, self.head.bias, targets, chunk_rows=32,
                             label_smoothing=0.1, transforms=self.transforms)
 
@@ -59,25 +68,30 @@ def _batch(model: TinyLM) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, model.embed.num_embeddings, (TOKENS,), generator=generator)
     targets = torch.randint(0, VOCAB, (TOKENS,), generator=generator)
     targets[::5] = -100
+    ids[::11] = 5  # the padding row: no gradient
     if model.embed.num_embeddings == VOCAB:  # some targets are the tokens looked up
         targets[1::7] = ids[1::7]
     return ids, targets
 
 
-def _model(tied: bool, transforms: tuple = ()) -> TinyLM:
+def _model(tied: bool, transforms: tuple = (), rows_lookup: bool = False) -> TinyLM:
     torch.manual_seed(0)
-    return TinyLM(tied, transforms)
+    return TinyLM(tied, transforms, rows_lookup)
 
 
+@pytest.mark.parametrize("rows_lookup", [False, True], ids=["lookup", "rows_lookup"])
 @pytest.mark.parametrize("transforms", [(), SOFT_CAP], ids=["plain", "soft_cap"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_the_rows_handed_over_move_the_parameters_as_the_whole_gradient(tied, transforms):
+def test_the_rows_handed_over_move_the_parameters_as_the_whole_gradient(tied, transforms,
+                                                                        rows_lookup):
     """SGD at lr 1 subtracts the gradient itself. The head's rows are recomputed in backward
     from the hidden states, the bias as forward read it (the bias is stepped first, in its
-    bucket) and each token's log-sum-exp; a tied embedding's rows are added to them."""
-    model = _model(tied, transforms)
+    bucket) and each token's log-sum-exp; a tied embedding's rows are added to them, made
+    whole by torch's lookup or, with ``rows_lookup``, in rows too (the padding row's none)."""
+    model = _model(tied, transforms, rows_lookup)
     batch = _batch(model)
     reference = copy.deepcopy(model)
+    reference.rows_lookup = False
     reference(*batch).backward()
     fused = fxopt.fuse_optimizer(model, torch.optim.SGD, lr=1.0, step_slice_bytes=2**14)
     try:
@@ -119,13 +133,15 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_the_whole_head_gradient_is_never_made_and_the_step_runs_in_backward(tied):
+@pytest.mark.parametrize("tied,rows_lookup", [(False, False), (True, False), (True, True)],
+                         ids=["untied", "tied", "tied_rows_lookup"])
+def test_the_whole_head_gradient_is_never_made_and_the_step_runs_in_backward(tied, rows_lookup):
     """Untied, no vocab x hidden tensor is made at all; tied, only the embedding's own gradient
-    (its backward makes it whole). Paused, the head's gradient is made whole in forward, as
-    without a fused step. Either way the head is updated by the end of backward: its accumulate
-    hook fires although the loss's node returns no gradient for it."""
-    model = _model(tied)
+    (torch's lookup makes it whole), and none when the lookup hands its rows over too. Paused,
+    the head's gradient is made whole in forward, as without a fused step. Either way the head
+    is updated by the end of backward: its accumulate hook fires although no node returned a
+    gradient for it."""
+    model = _model(tied, rows_lookup=rows_lookup)
     batch = _batch(model)
     fused = fxopt.fuse_optimizer(model, torch.optim.AdamW, lr=1e-3, step_slice_bytes=2**14)
     head = model.head.weight
@@ -136,7 +152,7 @@ def test_the_whole_head_gradient_is_never_made_and_the_step_runs_in_backward(tie
         sizes = _Sizes(head.numel() * head.element_size())
         with sizes:
             model(*batch).backward()
-        assert sizes.made == (1 if tied else 0)
+        assert sizes.made == (1 if tied and not rows_lookup else 0)
         assert not torch.equal(before, head.detach())  # stepped in backward
         assert head.grad is None
         fused.step()
@@ -180,9 +196,10 @@ class _LossOf(nn.Module):
         return self.model(ids, self.targets)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_the_estimate_equals_a_real_step_that_takes_the_head_in_rows(tied):
-    model = _model(tied)
+@pytest.mark.parametrize("tied,rows_lookup", [(False, True), (True, False), (True, True)],
+                         ids=["untied_rows_lookup", "tied", "tied_rows_lookup"])
+def test_the_estimate_equals_a_real_step_that_takes_the_head_in_rows(tied, rows_lookup):
+    model = _model(tied, rows_lookup=rows_lookup)
     batch = _batch(model)
     wrapped = _LossOf(model, batch)
     fused = fxopt.fuse_optimizer(wrapped, torch.optim.AdamW, lr=1e-3, step_slice_bytes=2**14)
@@ -205,13 +222,14 @@ def test_bfloat16_weights_with_the_loss_upcast_step_in_rows_on_any_device():
     moves each parameter by 100 times its gradient, through rows or whole; every tensor the rows
     path makes is made where the model is (the default device is ``meta`` meanwhile)."""
     torch.manual_seed(0)
-    model = TinyLM(True, (("to", torch.float32),))
+    model = TinyLM(True, (("to", torch.float32),), rows_lookup=True)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.02)
     model = model.to(torch.bfloat16)
     batch = _batch(model)
     reference = copy.deepcopy(model)
+    reference.rows_lookup = False
     before = copy.deepcopy(model)
     plain = torch.optim.SGD(reference.parameters(), lr=100.0)
     fused = fxopt.fuse_optimizer(model, torch.optim.SGD, lr=100.0, step_slice_bytes=2**13)
@@ -230,3 +248,105 @@ def test_bfloat16_weights_with_the_loss_upcast_step_in_rows_on_any_device():
         # bfloat16 rounds the gradient and the parameter to 8 bits: a last bit may differ
         torch.testing.assert_close(p, q, rtol=1.6e-2, atol=2.5e-4,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+# The pass: every lookup of a parameter the fused step frees becomes an ``embedding_rows`` call
+
+
+class Lookups(nn.Module):
+    """An ``nn.Embedding`` call, ``F.embedding`` with a negative padding index (rewritten); a
+    ``max_norm`` lookup, which renormalises its weight in place, and a frozen one (left)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(300, 16)
+        self.positions = nn.Parameter(torch.randn(12, 16))
+        self.capped = nn.Embedding(300, 16, max_norm=1.0)
+        self.frozen = nn.Embedding(300, 16).requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return (self.tokens(ids) + F.embedding(pos, self.positions, padding_idx=-2)
+                + self.capped(ids) + self.frozen(ids))
+
+
+LOOKUPS_BEFORE = """
+    ids = input
+    pos = input
+    tokens = tokens:Embedding(ids)
+    positions = @positions()
+    embedding = embedding(pos, positions, padding_idx=-2, max_norm=None, norm_type=2.0, \
+scale_grad_by_freq=False, sparse=False)
+    add = add(tokens, embedding)
+    capped = capped:Embedding(ids)
+    add_1 = add(add, capped)
+    frozen = frozen:Embedding(ids)
+    add_2 = add(add_1, frozen)
+    return add_2
+""".replace("\\\n", "")
+
+LOOKUPS_AFTER = """
+    ids = input
+    pos = input
+    tokens_weight = @tokens.weight()
+    embedding_rows = embedding_rows(tokens_weight, ids, -1)
+    positions = @positions()
+    embedding_rows_1 = embedding_rows(positions, pos, 10)
+    add = add(embedding_rows, embedding_rows_1)
+    capped = capped:Embedding(ids)
+    add_1 = add(add, capped)
+    frozen = frozen:Embedding(ids)
+    add_2 = add(add_1, frozen)
+    return add_2
+"""
+
+
+def test_golden_graphs_of_the_lookups_a_fused_step_takes_in_rows():
+    torch.manual_seed(0)
+    model = Lookups()
+    inputs = (torch.randint(0, 300, (2, 12)), torch.arange(12).expand(2, 12))
+    fused = fxopt.fuse_optimizer(model, torch.optim.AdamW, lr=1e-3)
+    try:
+        _, result = check_pass(model, inputs, embedding_rows_pass,
+                               options={"training": TrainingSetup(fused_optimizer=fused)},
+                               golden_before=LOOKUPS_BEFORE, golden_after=LOOKUPS_AFTER)
+        assert result.stats["rewritten"] == ["embedding_rows", "embedding_rows_1"]
+    finally:
+        fused.remove()
+    # without a fused step (nothing frees a gradient in backward) the pass leaves the graph
+    _, result = check_pass(model, inputs, embedding_rows_pass, golden_after=LOOKUPS_BEFORE,
+                           expect_modified=False, numerics=False)
+    assert "no fused optimizer step" in result.stats["skipped"]
+
+
+def test_a_hugging_face_llama_optimized_with_the_fused_step_trains_like_the_original():
+    """``optimize(..., fused_optimizer=fused, memory_budget="min", outputs="loss")`` on an
+    untied Llama: both vocabulary-sized gradients (token embedding, head) go to the step in
+    rows; two AdamW steps match the original model's with the ordinary AdamW."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, use_cache=False,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+    kwargs = {"input_ids": ids, "labels": ids}
+    fused = fxopt.fuse_optimizer(model, torch.optim.AdamW, lr=1e-3, step_slice_bytes=2**14)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    try:
+        gm = fxopt.optimize(model, (), example_kwargs=kwargs, memory_budget="min",
+                            outputs="loss", fused_optimizer=fused)
+        records = {r.name: r.stats for r in gm.fxopt_report.passes}
+        assert len(records["embedding_rows"]["rewritten"]) == 1
+        for _ in range(2):
+            reference(**kwargs).loss.backward()
+            plain.step()
+            plain.zero_grad()
+            gm(**kwargs).loss.backward()
+            assert model.model.embed_tokens.weight.grad is None  # stepped in backward
+            fused.step()
+    finally:
+        fused.remove()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .fused_step import fused_optimizer_of
+from .fused_step import rows_stepper
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -299,7 +299,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         count = valid.sum()
         grad_h = torch.empty_like(flat) if need_h else None
         # the weight's gradient handed to its fused optimizer step in rows, computed there
-        stepper = _rows_stepper(weight) if need_w and keep is None and not autocast else None
+        stepper = rows_stepper(weight) if need_w and keep is None and not autocast else None
         grad_w = torch.zeros_like(weight) if need_w and stepper is None else None
         grad_b = torch.zeros_like(bias) if need_b else None
         out_dtype = _loss_dtype(flat, weight, transforms, autocast)
@@ -400,16 +400,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if grad_h is not None:
             grad_h = grad_h.view(*ctx.lead, grad_h.shape[-1])
         return grad_h, grad_w, grad_b, None, None
-
-
-def _rows_stepper(weight: torch.Tensor) -> Any:
-    """The fused optimizer step (``fxopt.fuse_optimizer``) that takes ``weight``'s gradient in
-    rows (``FusedOptimizer.takes_gradient_rows``) where ``weight`` is large enough to be
-    stepped in slices anyway; else None (the gradient is made whole in forward)."""
-    fused = fused_optimizer_of(weight)
-    if fused is None or weight.numel() * weight.element_size() <= fused.step_slice_bytes:
-        return None
-    return fused if fused.takes_gradient_rows(weight) else None
 
 
 def _hand_over_weight_gradient(ctx: Any, saved: list[torch.Tensor],

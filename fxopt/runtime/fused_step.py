@@ -185,9 +185,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._pieces: dict[int, int] = {}   # id(p) -> backward passes received since step()
         self._applied: set[int] = set()     # id(p) stepped since step()
         self._pending: list[torch.Tensor] = []  # complete gradients of small parameters
-        # id(p) -> what computes rows of p's gradient, registered in backward
-        # (``defer_gradient_rows``), stepped a block of rows at a time when p's gradient is whole
-        self._deferred: dict[int, Callable[[int, int], torch.Tensor]] = {}
+        # id(p) -> what computes rows of p's gradient, one per node that handed its part over in
+        # backward (``defer_gradient_rows``), stepped a block of rows at a time when p's
+        # gradient is complete
+        self._deferred: dict[int, list[Callable[[int, int], torch.Tensor]]] = {}
         self._pending_bytes = 0
         self._group_index: dict[int, int] = {}
         self._groups_shape: tuple[int, ...] = ()
@@ -401,10 +402,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         (fewer optimizer calls; a bucket never holds more than ``bucket_bytes`` of gradients).
         A gradient handed over in rows (``defer_gradient_rows``) is stepped now, block by
         block."""
-        rows_of = self._deferred.pop(id(p), None)
-        if rows_of is not None:
+        parts = self._deferred.pop(id(p), None)
+        if parts is not None:
             self._flush()
-            self._apply_rows(p, rows_of)
+            self._apply_rows(p, parts)
             return
         nbytes = p.numel() * p.element_size()
         if nbytes >= self.bucket_bytes:
@@ -495,13 +496,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         hook, after any other contribution autograd accumulated in ``p.grad``: a tied
         embedding's), ``p`` is stepped one block of rows at a time: the block's rows are
         computed, added to ``p.grad``'s, stepped, and dropped before the next block. So the
-        contribution never exists whole (a language model's head: vocab x hidden). Only where
-        ``takes_gradient_rows(p)``; a second contribution before ``step()`` raises, as a second
-        gradient does."""
+        contribution never exists whole (a language model's head: vocab x hidden). Several
+        nodes of one backward may each hand theirs over (a tied embedding's lookup and head):
+        their rows are summed. Only where ``takes_gradient_rows(p)``; a contribution after ``p``
+        was stepped, before ``step()``, raises, as a second gradient does."""
         with self._lock:
-            if id(p) in self._deferred or id(p) in self._applied:
+            if id(p) in self._applied:
                 self._second_gradient(p, 2)
-            self._deferred[id(p)] = rows_of
+            self._deferred.setdefault(id(p), []).append(rows_of)
 
     def rows_per_block(self, p: torch.Tensor) -> int:
         """Rows of ``p`` stepped at once when its gradient comes in rows: the slices
@@ -514,9 +516,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         rows = -(-max(1, -(-least // row)) // align) * align
         return min(rows, p.shape[0])
 
-    def _apply_rows(self, p: torch.Tensor, rows_of: Callable[[int, int], torch.Tensor]) -> None:
-        """Step ``p`` block by block (``rows_per_block``), each block's gradient
-        ``rows_of(start, stop)`` plus what ``p.grad`` holds there, then free ``p.grad``."""
+    def _apply_rows(self, p: torch.Tensor,
+                    parts: list[Callable[[int, int], torch.Tensor]]) -> None:
+        """Step ``p`` block by block (``rows_per_block``), each block's gradient the sum of
+        ``part(start, stop)`` over ``parts`` and what ``p.grad`` holds there; then free
+        ``p.grad``."""
         index = self._group_of(p)
         accumulated, row = p.grad, max(1, p[0].numel())
         rows = self.rows_per_block(p)
@@ -525,9 +529,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         def blocks() -> Iterator[tuple[int, int, torch.Tensor]]:
             for start in range(0, p.shape[0], rows):
                 stop = min(start + rows, p.shape[0])
-                grad = rows_of(start, stop).to(p.dtype)
-                if accumulated is not None:
-                    grad = accumulated[start:stop].add_(grad)
+                grad = accumulated[start:stop] if accumulated is not None else None
+                for part in parts:
+                    made = part(start, stop)
+                    grad = made.to(p.dtype) if grad is None else grad.add_(made)
+                    del made
                 if clip is not None:
                     grad.clamp_(min=-clip, max=clip)
                 yield start * row, stop * row, grad.view(-1)
@@ -631,6 +637,17 @@ def _step_pieces(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: tor
             own[key] = scalars[key]
     if own:
         state[p] = own
+
+
+def rows_stepper(p: torch.Tensor) -> FusedOptimizer | None:
+    """The fused optimizer step that takes ``p``'s gradient in rows
+    (``FusedOptimizer.takes_gradient_rows``) where ``p`` is larger than that step's slices (a
+    smaller one is stepped whole anyway); else None. For nodes deciding in forward whether to
+    hand ``p``'s gradient over in backward."""
+    fused = fused_optimizer_of(p)
+    if fused is None or p.numel() * p.element_size() <= fused.step_slice_bytes:
+        return None
+    return fused if fused.takes_gradient_rows(p) else None
 
 
 def fused_optimizer_of(p: torch.Tensor) -> FusedOptimizer | None:
