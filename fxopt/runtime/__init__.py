@@ -14,6 +14,9 @@
   parameter or input when it runs (``tensor_device``), and lifted constants moved there.
 - ``fused_step`` and ``fuse``: the optimizer step fused into backward (``FusedOptimizer``, and
   ``fuse_optimizer``, its public factory), which the user's training loop runs.
+- ``chunked_loss`` and ``embedding_rows``: a language model's head and loss over chunks of
+  tokens, and an embedding lookup; both hand their vocabulary-sized weight gradient to a fused
+  step in rows (``FusedOptimizer.defer_gradient_rows``) where one takes it.
 - ``errors``: every error fxopt raises (``fxopt.core.errors`` re-exports them), so the code
   above raises them itself.
 
