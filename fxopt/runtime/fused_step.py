@@ -438,23 +438,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm_per_parameter is not None:
             for p in stepped:
                 torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm_per_parameter)
-        optimizer = self.optimizer
-        groups = optimizer.param_groups
         for index, chosen in by_group.items():
-            group = groups[index]
-            everything = group["params"]
-            optimizer.param_groups = [group]
-            try:
+            with _group_alone(self.optimizer, index) as group:
                 whole, sliced = [], []
                 for p in chosen:  # the fused kernel allocates no temporaries: nothing to slice
                     (sliced if not group.get("fused") and self._sliced(p) else whole).append(p)
                 if whole:
-                    _step_only(optimizer, group, whole)
+                    _step_only(self.optimizer, group, whole)
                 for p in sliced:
-                    _step_in_slices(optimizer, group, p, self.step_slice_bytes)
-            finally:
-                group["params"] = everything
-                optimizer.param_groups = groups
+                    _step_in_slices(self.optimizer, group, p, self.step_slice_bytes)
             for p in chosen:
                 p.grad = None
                 self._applied.add(id(p))
@@ -540,17 +532,25 @@ class FusedOptimizer(torch.optim.Optimizer):
                 del grad
 
         if index is not None:
-            optimizer, groups = self.optimizer, self.optimizer.param_groups
-            group = groups[index]
-            everything = group["params"]
-            optimizer.param_groups = [group]
-            try:
-                _step_pieces(optimizer, group, p, blocks())
-            finally:
-                group["params"] = everything
-                optimizer.param_groups = groups
+            with _group_alone(self.optimizer, index) as group:
+                _step_pieces(self.optimizer, group, p, blocks())
         p.grad = None
         self._applied.add(id(p))
+
+
+@contextlib.contextmanager
+def _group_alone(optimizer: torch.optim.Optimizer, index: int) -> Iterator[dict[str, Any]]:
+    """Inside, ``optimizer`` has only its group ``index`` (whose ``params`` the caller sets to
+    what it steps); its groups and that group's parameters are restored after, also on error."""
+    groups = optimizer.param_groups
+    group = groups[index]
+    everything = group["params"]
+    optimizer.param_groups = [group]
+    try:
+        yield group
+    finally:
+        group["params"] = everything
+        optimizer.param_groups = groups
 
 
 def _wrapper_subclass(t: torch.Tensor) -> bool:
