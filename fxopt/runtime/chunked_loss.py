@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .fused_step import rows_stepper
+from .fused_step import hand_over_rows, rows_stepper
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -420,12 +420,8 @@ def _hand_over_weight_gradient(ctx: Any, saved: list[torch.Tensor],
         return _weight_gradient_rows(flat, weight, bias, target, scale, lse, first, last,
                                      transforms, smoothing)
 
-    stepper = ctx.stepper
-    ctx.stepper = None
-    if stepper.takes_gradient_rows(weight):
-        stepper.defer_gradient_rows(weight, rows_of)
-        return None
-    return rows_of(0, weight.shape[0])
+    stepper, ctx.stepper = ctx.stepper, None
+    return hand_over_rows(stepper, weight, rows_of)
 
 
 def _weight_gradient_rows(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

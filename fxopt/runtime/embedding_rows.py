@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .fused_step import rows_stepper
+from .fused_step import hand_over_rows, rows_stepper
 
 
 def embedding_rows(weight: torch.Tensor, indices: torch.Tensor,
@@ -60,7 +60,4 @@ class _EmbeddingRows(torch.autograd.Function):
             return torch.ops.aten.embedding_dense_backward(
                 grad, local, last - first + 1, padding, False)[:last - first]
 
-        if stepper is not None and stepper.takes_gradient_rows(weight):
-            stepper.defer_gradient_rows(weight, rows_of)
-            return None, None, None, None
-        return rows_of(0, weight.shape[0]), None, None, None
+        return hand_over_rows(stepper, weight, rows_of), None, None, None

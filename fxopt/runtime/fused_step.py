@@ -650,6 +650,17 @@ def rows_stepper(p: torch.Tensor) -> FusedOptimizer | None:
     return fused if fused.takes_gradient_rows(p) else None
 
 
+def hand_over_rows(stepper: FusedOptimizer | None, p: torch.Tensor,
+                   rows_of: Callable[[int, int], torch.Tensor]) -> torch.Tensor | None:
+    """What a node's backward returns for ``p`` when forward chose ``stepper``
+    (``rows_stepper``): None, once ``rows_of`` is handed to the step, where it still takes
+    ``p``'s rows; else (paused or removed since forward) the gradient whole."""
+    if stepper is not None and stepper.takes_gradient_rows(p):
+        stepper.defer_gradient_rows(p, rows_of)
+        return None
+    return rows_of(0, p.shape[0])
+
+
 def fused_optimizer_of(p: torch.Tensor) -> FusedOptimizer | None:
     """The ``FusedOptimizer`` stepping ``p`` in backward (not removed, paused or not), if any."""
     for fused in list(_LIVE):
