@@ -12,6 +12,7 @@ from fxopt.rewrite.registry import PassRegistry, PassSpec
 from fxopt.passes.causal_attention import causal_attention
 from fxopt.passes.checkpoint import checkpoint
 from fxopt.passes.chunked_loss import chunked_loss
+from fxopt.passes.chunked_mlp import chunked_mlp
 from fxopt.passes.embedding_rows import embedding_rows
 from fxopt.passes.inplace_activations import inplace_activations
 from fxopt.passes.pad_channels import pad_channels
@@ -36,6 +37,10 @@ REGISTRY = PassRegistry([
              "with the optimizer step fused into backward, an embedding's gradient is stepped "
              "a block of rows at a time, never made dense (vocab x hidden)",
              aliases=("embedding",), reads_training=True),
+    PassSpec("chunked_mlp", chunked_mlp,
+             "a transformer block's MLP computed over chunks of tokens and recomputed in "
+             "backward: its wide intermediate is never saved (memory_budget='min')",
+             default=False, aliases=("mlp",), budget="joins"),
     PassSpec("checkpoint", checkpoint,
              "recompute the cheapest regions in backward to fit a memory budget, and size "
              "the chunked loss's chunks with the plan",
@@ -48,5 +53,5 @@ REGISTRY = PassRegistry([
 ])
 
 __all__ = ["REGISTRY", "PassRegistry", "PassSpec", "causal_attention", "checkpoint",
-           "chunked_loss", "embedding_rows", "inplace_activations",
+           "chunked_loss", "chunked_mlp", "embedding_rows", "inplace_activations",
            "keep_blocks", "pad_channels", "reorder"]

@@ -73,8 +73,9 @@ FORCED = {"pad_channels": {"force": True}}
 ALWAYS = {spec.name for spec in pass_registry.REGISTRY if spec.always}
 # Passes that act only for a training step these examples never have (embedding_rows: a fused
 # optimizer step): a subset listing one repeats one that does not. The default pipeline (None)
-# still runs them on every example.
-INERT = {"embedding_rows"}
+# still runs them on every example. chunked_mlp acts only at memory_budget="min" on batches of
+# more than one 256-token chunk, far above these examples' sizes.
+INERT = {"embedding_rows", "chunked_mlp"}
 
 
 def pass_combinations() -> list[list | None]:
@@ -185,6 +186,9 @@ MIN_CHANGED_SHARE = {
     # No embedding lookups either, and no fused optimizer step, the only training it acts for:
     # tests/test_gradient_rows.py shows it act (goldens, a Hugging Face Llama).
     (None, "embedding_rows"): 0.0,
+    # A transformer MLP over more than one chunk of 256 tokens, at "min": no random model has
+    # one; tests/test_chunked_mlp.py shows it act (goldens, a Hugging Face Llama).
+    (None, "chunked_mlp"): 0.0,
     # Random models have no numbered blocks with submodules of their own: tests/test_blocks.py
     # shows it act.
     (None, "keep_blocks"): 0.0,

@@ -60,6 +60,7 @@ from fxopt.core.errors import TraceError
 from fxopt.core.inputs import check_inputs, concrete_args
 from fxopt.core.modules import call_hooks, has_hooks, structural_copy
 from fxopt.runtime.chunked_loss import CHUNKED_LOSS_CALLS
+from fxopt.runtime.chunked_mlp import chunked_mlp
 from fxopt.runtime.embedding_rows import embedding_rows
 from fxopt.runtime.devices import on_device, tensor_device
 from fxopt.runtime.input_guard import InputGuard, guard_inputs
@@ -109,7 +110,7 @@ class _FallbackTracer(fx.Tracer):
         # would drop the checkpointing, the loss's own backward or the scope).
         super().__init__(autowrap_functions=(call_region, guard_inputs, grad_mode_scope,
                                              autocast_scope, tensor_device, on_device,
-                                             embedding_rows, *CHUNKED_LOSS_CALLS))
+                                             embedding_rows, chunked_mlp, *CHUNKED_LOSS_CALLS))
         self.forced_leaves = forced_leaves
         self.hooked: dict[str, nn.Module] = {}  # path -> module made a leaf for its hooks
         self.record_stack_traces = True

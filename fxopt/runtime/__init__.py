@@ -17,6 +17,8 @@
 - ``chunked_loss`` and ``embedding_rows``: a language model's head and loss over chunks of
   tokens, and an embedding lookup; both hand their vocabulary-sized weight gradient to a fused
   step in rows (``FusedOptimizer.defer_gradient_rows``) where one takes it.
+- ``chunked_mlp``: a transformer block's MLP over chunks of tokens, saving only its input and
+  recomputing each chunk's projections in backward.
 - ``errors``: every error fxopt raises (``fxopt.core.errors`` re-exports them), so the code
   above raises them itself.
 
