@@ -89,8 +89,8 @@ def test_frozen_weights_an_input_without_grad_and_a_second_backward():
 @pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.float32, True)])
 def test_low_precision_is_as_close_to_float64_as_the_plain_mlp(dtype, autocast):
     """bfloat16 weights, and float32 under bfloat16 autocast: the call's output and gradients
-    are no further from a float64 reference than the plain MLP's own (weight gradients are
-    summed over chunks in float32, then rounded once)."""
+    are about as close to a float64 reference as the plain MLP's own (a weight gradient is
+    rounded once per chunk: two chunks here)."""
     weights64 = _weights(True, True)
     torch.manual_seed(1)
     x64 = torch.randn(4, 64, WIDTH, dtype=torch.float64)
@@ -137,8 +137,8 @@ def test_forward_keeps_nothing_as_wide_as_the_intermediate_and_backward_holds_a_
     with LiveStorageTracker() as tracker:
         out.backward(grad)
     gradients = x.numel() * 4 + sum(w.numel() * 4 for w in weights if w is not None)
-    # beyond the gradients: five intermediate-wide tensors of one chunk at most (and a
-    # float32 sum per weight), never one of the whole batch
+    # beyond the gradients: five intermediate-wide tensors of one chunk at most, never one of
+    # the whole batch
     transient = tracker.peak_bytes - gradients
     assert transient <= 5 * rows * INNER * 4 + rows * WIDTH * 4 < 2 * intermediate_bytes
 
@@ -315,3 +315,38 @@ def test_inside_a_checkpointed_region_the_call_trains_like_the_plain_mlp(mode):
     bodies = [v.body for v in vars(gm).values() if isinstance(v, CheckpointedRegion)]
     assert [n.target for b in bodies for n in b.graph.nodes].count(chunked_mlp) == 1
     assert_same_step(step_record(gm, x), step_record(model, x))
+
+
+def test_an_exported_module_calls_its_own_copy_of_the_chunked_mlp(tmp_path):
+    """``fxopt.export`` copies the runtime module next to the generated code (where fxopt is
+    not installed), verifies the folder against the optimized module, and the loaded model's
+    step is the original's."""
+    from fxopt.export.writer import export, load_exported
+
+    torch.manual_seed(0)
+    model = NormedBlock()
+    x = torch.randn(2, 16, WIDTH)
+    gm = fxopt.optimize(model, x, passes=[("chunked_mlp", {"force": True, "min_rows": 4})])
+    assert next(p for p in gm.fxopt_report.passes if p.name == "chunked_mlp").modified
+    export(gm, tmp_path / "out", example_inputs=(x,))
+    copied = [p.name for p in (tmp_path / "out").rglob("*chunked_mlp*.py")]
+    assert copied, sorted(p.name for p in (tmp_path / "out").rglob("*.py"))
+    code = (tmp_path / "out" / "model.py").read_text()
+    assert "chunked_mlp(" in code and "fxopt.runtime" not in code
+    loaded = load_exported(tmp_path / "out").load()
+    assert_same_step(step_record(loaded, x.requires_grad_()), step_record(model, x))
+
+
+def test_torch_compile_traces_the_call_as_the_plain_mlp_without_a_graph_break():
+    torch.manual_seed(0)
+    model = NormedBlock()
+    x = torch.randn(2, 16, WIDTH)
+    gm = fxopt.optimize(model, x, passes=[("chunked_mlp", {"force": True, "min_rows": 4})],
+                        verify=False, predict_memory=False)
+    torch.compiler.reset()
+    try:
+        assert torch._dynamo.explain(gm)(x).graph_break_count == 0
+        compiled = torch.compile(gm, backend="aot_eager")
+        assert_same_step(step_record(gm, x, call=compiled), step_record(model, x))
+    finally:
+        torch.compiler.reset()

@@ -10,8 +10,11 @@ activation, min_rows)``. The MLP acts on each token alone, so rows of ``x`` are 
   (and the weights): none of the batch x sequence x intermediate tensors the plain MLP saves for
   backward (the two projections, the activation, their product);
 - backward recomputes each chunk's two projections and the activation, and folds the chunk's
-  gradients straight into ``x``'s gradient (one row block) and the weights' (accumulated in place,
-  in float32 for bfloat16 and float16 weights, cast once at the end).
+  gradients straight into ``x``'s gradient (one row block) and the weights' (accumulated in place
+  in the weight's own dtype: the matmul sums each chunk's part in float32 and rounds it once,
+  so a bfloat16 weight gradient is rounded once per chunk, at most about intermediate / hidden
+  times; a float32 sum would hold three weight-sized temporaries of twice the size, on a
+  Llama-1B layer about the memory the chunks save).
 
 A chunk holds ``max(min_rows, tokens * hidden / intermediate)`` tokens, so each intermediate
 tensor it makes is about the size of ``x``. The cost is one more forward of the two input
@@ -108,7 +111,7 @@ class _ChunkedMLP(torch.autograd.Function):
         cast = ctx.autocast or x.dtype
         matmul = [None if w is None else w.to(cast) for w in (gate_w, up_w, down_w)]
         sums = [None if t is None or not need else
-                torch.zeros_like(t, dtype=_sum_dtype(t.dtype)) for t, need in
+                torch.zeros_like(t) for t, need in
                 zip((gate_w, gate_b, up_w, up_b, down_w, down_b), needs[1:])]
         x_grad = torch.empty_like(x).reshape(flat.shape) if needs[0] else None
         with (torch.autocast(ctx.device, dtype=ctx.autocast) if ctx.autocast is not None
@@ -118,9 +121,7 @@ class _ChunkedMLP(torch.autograd.Function):
                 piece = flat[rows].to(cast)
                 _backward_rows(piece, grad[rows].to(cast), matmul, (gate_b, up_b),
                                ctx.activation, sums, x_grad, rows)
-        grads = [None if s is None else s.to(t.dtype)
-                 for s, t in zip(sums, (gate_w, gate_b, up_w, up_b, down_w, down_b))]
-        return (None, None, None if x_grad is None else x_grad.reshape(x.shape), *grads)
+        return (None, None, None if x_grad is None else x_grad.reshape(x.shape), *sums)
 
 
 def _backward_rows(x: torch.Tensor, grad: torch.Tensor, matmul: list, biases: tuple,
@@ -167,10 +168,6 @@ def _activation_backward(activation: str, grad: torch.Tensor, x: torch.Tensor) -
         return aten.threshold_backward(grad, x, 0)
     return aten.gelu_backward(grad, x, approximate="tanh" if activation == "gelu_tanh"
                               else "none")
-
-
-def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _add(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> None:
