@@ -421,3 +421,25 @@ def test_optimizing_the_optimized_module_again_changes_nothing(outputs):
         ("chunked_loss", False), ("keep_blocks", False)]
     assert any(n.target in (chunked_loss_call, chunked_loss_and_logits)
                for n in twice.graph.nodes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("logits", [False, True])
+def test_every_tensor_the_loss_makes_is_on_its_inputs_device(dtype, logits):
+    """Forward and backward on ``meta`` tensors while the default device is the CPU: a tensor
+    made without naming a device would land on the CPU and the next op mixing it with the
+    inputs raises, as a CPU tensor in a CUDA model's backward would (the backward runs in
+    autograd's engine, where ``default_device_elsewhere`` does not reach). Label smoothing and
+    Hugging Face's upcast take the less common paths."""
+    hidden = torch.randn(2, 12, 8, device="meta", dtype=dtype, requires_grad=True)
+    weight = torch.randn(50, 8, device="meta", dtype=dtype, requires_grad=True)
+    bias = torch.randn(50, device="meta", dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, 50, (24,), device="meta")
+    options = dict(chunk_rows=5, label_smoothing=0.1, transforms=(("to", torch.float32),))
+    if logits:
+        loss, out = chunked_loss_and_logits(hidden, weight, bias, targets, logits_transforms=1,
+                                            **options)
+        (loss + out.sum()).backward()
+    else:
+        chunked_loss_call(hidden, weight, bias, targets, **options).backward()
+    assert {t.grad.device.type for t in (hidden, weight, bias)} == {"meta"}

@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .devices import autocast_dtype
 from .fused_step import hand_over_rows, rows_stepper
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -285,7 +286,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and bias is not None
         need_grad = need_h or need_w or need_b
-        autocast = torch.is_autocast_enabled(hidden.device.type)
+        autocast = autocast_dtype(hidden.device.type) is not None
         size, vocab = hidden.shape[-1], weight.shape[0]
         lead = hidden.shape[:-1]
         flat = hidden.reshape(-1, size)
@@ -482,7 +483,7 @@ def _accumulate(dz: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
 def _loss_dtype(flat: torch.Tensor, weight: torch.Tensor, transforms: tuple,
                 autocast: bool) -> torch.dtype:
     """The dtype cross_entropy would have returned."""
-    dtype = torch.get_autocast_dtype(flat.device.type) if autocast else torch.result_type(
+    dtype = autocast_dtype(flat.device.type) if autocast else torch.result_type(
         flat, weight)
     for transform in transforms:
         if transform[0] == "to":

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .devices import autocast_dtype
+
 aten = torch.ops.aten
 ACTIVATIONS = {
     "silu": F.silu,
@@ -91,7 +93,7 @@ class _ChunkedMLP(torch.autograd.Function):
         if out is None:  # no tokens
             out = _mlp(flat, *weights, activation)
         device = x.device.type
-        ctx.autocast = _autocast_dtype(device)
+        ctx.autocast = autocast_dtype(device)
         ctx.activation, ctx.rows, ctx.device = activation, rows, device
         ctx.present = [w is not None for w in weights]
         ctx.save_for_backward(x, *(w for w in weights if w is not None))
@@ -167,15 +169,6 @@ def _activation_backward(activation: str, grad: torch.Tensor, x: torch.Tensor) -
         return aten.threshold_backward(grad, x, 0)
     return aten.gelu_backward(grad, x, approximate="tanh" if activation == "gelu_tanh"
                               else "none")
-
-
-def _autocast_dtype(device: str) -> torch.dtype | None:
-    """The dtype autocast computes matmuls in on ``device``, or None where it is off (or where
-    autocast has no such device type, e.g. ``meta``)."""
-    try:
-        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    except RuntimeError:
-        return None
 
 
 def _add(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> None:

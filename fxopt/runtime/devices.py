@@ -9,7 +9,8 @@ a parameter, buffer or input that was on that device when the model was captured
 graph makes its tensors where that tensor is when it runs, as the model's own code did
 (``x.device``). ``on_device(t, device)`` moves a tensor constant the capture lifted out of
 forward (``torch.tensor([...], device=x.device)``) to that device when the graph runs: no copy
-when it is there already.
+when it is there already. ``autocast_dtype(device_type)``: what autocast computes in on a device
+type, for the runtime's own autograd functions to replay.
 
 Imports torch and the standard library only, like all of ``fxopt.runtime`` (``fxopt.export``
 copies this file next to the generated code).
@@ -28,3 +29,13 @@ def tensor_device(t: torch.Tensor) -> torch.device:
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``: ``t`` itself when it is there (the usual case), else a copy."""
     return t.to(device)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type``, or None where it is off, or where
+    autocast knows no such device type (``meta``: torch's query raises there)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
