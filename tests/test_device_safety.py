@@ -17,7 +17,11 @@ here builds the model and inputs first and runs fxopt's own work inside that mod
   fake tensors of *another* device (``cuda:1``, no GPU needed; backward cannot run that way)
   with every tensor they make there;
 - opaque leaves replayed (or stood in for) on fakes of another device; cotangents drawn in
-  chunks against one draw.
+  chunks against one draw;
+- a training step of the optimized modules at ``"min"`` moved to ``meta`` tensors, backward
+  included: autograd runs backward (checkpointed regions' recomputation, the chunked loss's
+  backward) outside ``default_device_elsewhere``, so only a run on another device reaches a
+  tensor made there without a device.
 
 Which models, with the smallest inputs that exercise them (the suite has a time budget): every
 zoo model in both configurations but those whose path another one already takes --
@@ -37,6 +41,7 @@ runs every zoo model, and every ecosystem model named here in both configuration
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -48,7 +53,7 @@ import fxopt
 from device_mode import baked_devices, default_device_elsewhere, graphs_of
 from fxopt.capture.export_frontend import capture_with_export
 from fxopt.core.inputs import check_inputs
-from fxopt.core.step import COTANGENT_SEED, _draw_into, cotangents_for
+from fxopt.core.step import COTANGENT_SEED, _draw_into, cotangents_for, training_step
 from fxopt.core.torch_private import FakeTensorMode, tree_leaves
 from fxopt.export import export, load_exported
 from fxopt.runtime.devices import tensor_device
@@ -307,6 +312,40 @@ def test_an_optimized_language_model_runs_on_another_device(hf_optimized, monkey
     for training in (True, False):
         outputs = _fake_forward(gm, args, ELSEWHERE, training)
         assert outputs and {str(t.device) for t in outputs} == {ELSEWHERE}
+
+
+def _train_on_meta(gm: nn.Module, args: tuple) -> list[torch.Tensor]:
+    """A copy of ``gm`` and ``args`` moved to ``meta``, one training step there; the copy's
+    parameter gradients. A tensor made on the CPU in backward (a region's recomputation, a
+    custom backward) meets the meta ones and raises: autograd runs backward outside
+    ``default_device_elsewhere``, so this is the check that reaches it. (The guard, which
+    refuses another device type, left out.)"""
+    moved = copy.deepcopy(gm).to("meta")
+    inputs = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+    training_step(moved, inputs)
+    return [p.grad for p in moved.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_models_at_min_train_on_meta_tensors_backward_included(zoo_optimized, name,
+                                                                   monkeypatch):
+    _, args, gm = zoo_optimized(name, "min")
+    monkeypatch.setattr(InputGuard, "__call__", lambda self, *values, state=(): None)
+    grads = _train_on_meta(gm, args)
+    assert grads and {g.device.type for g in grads} == {"meta"}
+
+
+@pytest.mark.parametrize("name", ["hf_llama_lm", "unet2d"])
+def test_ecosystem_models_at_min_train_on_meta_tensors_backward_included(hf_optimized, name,
+                                                                         monkeypatch):
+    """Llama's checkpointed regions, kept blocks and chunked loss; the diffusers UNet's
+    regions: forward and backward on meta tensors."""
+    _, args, gm = hf_optimized(name, "min")
+    assert "checkpoint" in {p.name for p in gm.fxopt_report.passes if p.modified}
+    monkeypatch.setattr(InputGuard, "__call__", lambda self, *values, state=(): None)
+    grads = _train_on_meta(gm, args)
+    assert len(grads) == len([p for p in gm.parameters() if p.requires_grad])
+    assert {g.device.type for g in grads} == {"meta"}
 
 
 def test_the_guard_still_refuses_another_device_type():

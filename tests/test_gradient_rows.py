@@ -250,6 +250,36 @@ def test_bfloat16_weights_with_the_loss_upcast_step_in_rows_on_any_device():
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tensor_the_rows_path_makes_is_on_the_models_device(optimizer, dtype):
+    """The model and its batch on ``meta`` tensors, the default device the CPU: the lookup's
+    and the head's rows, their sum and the step in blocks all run in backward, where
+    ``default_device_elsewhere`` (the test above) does not reach, so a tensor made there
+    without naming a device lands on the CPU and the next op mixing it with the model raises,
+    as a CPU tensor in a CUDA model's backward would. (AdamW's ``fused=True`` kernel refuses
+    meta tensors; its rows are checked against the whole gradient above.)"""
+    torch.manual_seed(0)
+    model = TinyLM(True, (("to", torch.float32),), rows_lookup=True).to(dtype)
+    batch = tuple(t.to("meta") for t in _batch(model))
+    model = model.to("meta")
+    fused = fxopt.fuse_optimizer(model, optimizer, lr=1e-3, step_slice_bytes=2**13)
+    try:
+        assert fused.rows_per_block(model.head.weight) < VOCAB  # stepped in several blocks
+        for _ in range(2):  # the second step reads the state the first one made
+            model(*batch).backward()
+            fused.step()
+    finally:
+        fused.remove()
+    state = [v for per_parameter in fused.optimizer.state.values()  # AdamW's step count is
+             for v in per_parameter.values()  # a CPU scalar, as torch keeps it for AdamW itself
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    parameters = list(model.parameters())
+    assert {t.device.type for t in [*parameters, *state]} == {"meta"}
+    if optimizer is torch.optim.AdamW:  # the moments of every parameter, the head's in blocks
+        assert len(state) >= 2 * len(parameters)
+
+
 # The pass: every lookup of a parameter the fused step frees becomes an ``embedding_rows`` call
 
 

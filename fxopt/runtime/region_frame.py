@@ -127,9 +127,7 @@ class _RngState:
     def __init__(self, devices: list[torch.device]):
         self.cpu = torch.get_rng_state()
         device_type = devices[0].type if devices else None
-        module = torch.get_device_module(device_type) if device_type else None
-        if module is not None and not getattr(module, "is_initialized", lambda: True)():
-            module = None  # as torch's checkpoint: no device state before the device is used
+        module = _generators_of(device_type) if device_type else None
         self.device_type = device_type if module is not None else None
         self.devices = [d.index for d in devices if d.type == device_type] if module else []
         self.states = [module.get_rng_state(d) for d in self.devices] if module else []
@@ -145,6 +143,17 @@ class _RngState:
                 for device, state in zip(self.devices, self.states):
                     module.set_rng_state(state, device)
             yield
+
+
+def _generators_of(device_type: str) -> Any:
+    """The module holding ``device_type``'s random generators (``torch.cuda``), or None where
+    there is no state to keep: not initialized yet (as torch's checkpoint: no device state
+    before the device is used) or no such module (``meta`` tensors draw no numbers)."""
+    try:
+        module = torch.get_device_module(device_type)
+    except RuntimeError:
+        return None
+    return module if getattr(module, "is_initialized", lambda: True)() else None
 
 
 def _autocast_state(device_type: str) -> tuple:
