@@ -81,9 +81,15 @@ def gpt():
     return GPT(), torch.randint(0, VOCAB, (4, LENGTH))
 
 
-def test_auto_captures_the_gpt_with_export_and_checkpoints_it(gpt):
+@pytest.fixture(scope="module")
+def gpt_at_07(gpt):
+    """The GPT optimized with ``memory_budget=0.7``: export-captured, with regions."""
     model, idx = gpt
-    gm = fxopt.optimize(model, (idx,), memory_budget=0.7)
+    return fxopt.optimize(model, (idx,), memory_budget=0.7)
+
+
+def test_auto_captures_the_gpt_with_export_and_checkpoints_it(gpt_at_07):
+    gm = gpt_at_07
     report = gm.fxopt_report
     assert report.trace.frontend == "export" and report.trace.leaves == []
     # export inlines every module; the root graph calls back only the blocks fxopt keeps
@@ -283,10 +289,10 @@ def test_an_export_captured_module_pickles_with_its_input_guard(tmp_path):
 
 
 def test_an_export_captured_checkpointed_gpt_exports_as_a_folder_that_guards_its_inputs(
-        gpt, tmp_path):
+        gpt, gpt_at_07, tmp_path):
     """fxopt.export writes the guard as code that raises without fxopt installed."""
-    model, idx = gpt
-    gm = fxopt.optimize(model, (idx,), memory_budget=0.7)
+    _, idx = gpt
+    gm = gpt_at_07
     graphs = [gm.graph, *(gm.get_submodule(path).graph for path in fxopt.blocks(gm))]
     assert any(n.target is fxopt.runtime.regions.call_region for g in graphs for n in g.nodes)
     nodes = list(gm.graph.nodes)  # the guard runs before the first region or block
