@@ -315,7 +315,8 @@ def test_an_optimized_language_model_runs_on_another_device(hf_optimized, monkey
 
 
 def _train_on_meta(gm: nn.Module, args: tuple) -> list[torch.Tensor]:
-    """A copy of ``gm`` and ``args`` moved to ``meta``, one training step there; the copy's
+    """A copy of ``gm`` and ``args`` moved to ``meta``, one training step there, then an
+    evaluation forward (eval mode, no grad: regions run their bodies plainly); the copy's
     parameter gradients. A tensor made on the CPU in backward (a region's recomputation, a
     custom backward) meets the meta ones and raises: autograd runs backward outside
     ``default_device_elsewhere``, so this is the check that reaches it. (The guard, which
@@ -323,6 +324,10 @@ def _train_on_meta(gm: nn.Module, args: tuple) -> list[torch.Tensor]:
     moved = copy.deepcopy(gm).to("meta")
     inputs = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
     training_step(moved, inputs)
+    moved.eval()
+    with torch.no_grad():
+        outputs = [t for t in tree_leaves(moved(*inputs)) if isinstance(t, torch.Tensor)]
+    assert outputs and {t.device.type for t in outputs} == {"meta"}
     return [p.grad for p in moved.parameters() if p.grad is not None]
 
 
