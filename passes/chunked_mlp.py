@@ -112,7 +112,7 @@ def _operand(gm: fx.GraphModule, value: Any) -> Any:
 def _match(gm: fx.GraphModule, down: fx.Node, min_rows: int) -> dict | None:
     """The MLP ending in ``down``: its input, operands (gate w/b, up w/b, down w/b: nodes,
     parameter names or None), activation, the nodes the rewrite removes, and its sizes at the
-    example (tokens, rows per chunk: None where a size has no example value); None if ``down``
+    example (tokens, rows per chunk: None where a size is symbolic); None if ``down``
     does not end one the rewrite keeps exact (module docstring)."""
     down_linear = _linear(gm, down)
     if down_linear is None:
@@ -150,8 +150,8 @@ def _match(gm: fx.GraphModule, down: fx.Node, min_rows: int) -> dict | None:
             not isinstance(mid_val.shape[-1], int) or mid_val.shape[-1] <= x_val.shape[-1]:
         return None
     width, intermediate = x_val.shape[-1], mid_val.shape[-1]
-    sizes = [_hint(size) for size in x_val.shape[:-1]]
-    tokens = None if None in sizes else math.prod(sizes)
+    sizes = x_val.shape[:-1]  # fxopt's meta runs on the example: ints, unless one is symbolic
+    tokens = math.prod(sizes) if all(isinstance(size, int) for size in sizes) else None
     return {"x": x, "operands": (gate_w, gate_b, up_w, up_b, down_w, down_b),
             "activation": activation, "gated": gated, "inner": inner, "width": width,
             "intermediate": intermediate, "tokens": tokens, "min_rows": min_rows,
@@ -216,8 +216,3 @@ def _activation(gm: fx.GraphModule, node: fx.Node) -> str | None:
 
 def _only_use(value: Any, user: fx.Node) -> bool:
     return isinstance(value, fx.Node) and list(value.users) == [user]
-
-
-def _hint(size: Any) -> int | None:
-    """A size as an int: itself, or a symbolic size's example value (None if it has none)."""
-    return size if isinstance(size, int) else getattr(getattr(size, "node", None), "hint", None)
