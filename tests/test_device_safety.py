@@ -233,6 +233,12 @@ def test_export_with_the_default_device_elsewhere_names_no_device(hf_optimized, 
 # -- factory ops follow the module (D3/D4)
 
 
+def guard_off(monkeypatch) -> None:
+    """The input guard, which refuses another device type before any compute, let through: for
+    tests that run an export-captured module where it was not captured."""
+    monkeypatch.setattr(InputGuard, "__call__", lambda self, *values, state=(): None)
+
+
 def _fake_forward(gm: nn.Module, args: tuple, device: str, training: bool) -> list:
     """``gm``'s forward on fake tensors on ``device``: its parameters, buffers and inputs
     there (the guard, which refuses another device type, left out)."""
@@ -297,7 +303,7 @@ def test_factory_ops_follow_the_module_to_another_device(monkeypatch, budget):
     model.eval(), gm.eval()
     other = torch.randn(3, 7, 8)
     assert torch.equal(gm(other), model(other))
-    monkeypatch.setattr(InputGuard, "__call__", lambda self, *values, state=(): None)
+    guard_off(monkeypatch)
     for training in (True, False):
         outputs = _fake_forward(gm, (other,), ELSEWHERE, training)
         assert outputs and {str(t.device) for t in outputs} == {ELSEWHERE}
@@ -308,7 +314,7 @@ def test_an_optimized_language_model_runs_on_another_device(hf_optimized, monkey
     forward on fake tensors of another device, in train and eval mode."""
     _, args, gm = hf_optimized("hf_llama_lm", "min")
     assert _reads_devices(gm) > 0
-    monkeypatch.setattr(InputGuard, "__call__", lambda self, *values, state=(): None)
+    guard_off(monkeypatch)
     for training in (True, False):
         outputs = _fake_forward(gm, args, ELSEWHERE, training)
         assert outputs and {str(t.device) for t in outputs} == {ELSEWHERE}
@@ -335,7 +341,7 @@ def _train_on_meta(gm: nn.Module, args: tuple) -> list[torch.Tensor]:
 def test_zoo_models_at_min_train_on_meta_tensors_backward_included(zoo_optimized, name,
                                                                    monkeypatch):
     _, args, gm = zoo_optimized(name, "min")
-    monkeypatch.setattr(InputGuard, "__call__", lambda self, *values, state=(): None)
+    guard_off(monkeypatch)
     grads = _train_on_meta(gm, args)
     assert grads and {g.device.type for g in grads} == {"meta"}
 
@@ -347,7 +353,7 @@ def test_ecosystem_models_at_min_train_on_meta_tensors_backward_included(hf_opti
     regions: forward and backward on meta tensors."""
     _, args, gm = hf_optimized(name, "min")
     assert "checkpoint" in {p.name for p in gm.fxopt_report.passes if p.modified}
-    monkeypatch.setattr(InputGuard, "__call__", lambda self, *values, state=(): None)
+    guard_off(monkeypatch)
     grads = _train_on_meta(gm, args)
     assert len(grads) == len([p for p in gm.parameters() if p.requires_grad])
     assert {g.device.type for g in grads} == {"meta"}
