@@ -20,6 +20,7 @@ from fxopt import passes
 from fxopt.capture.chain import capture
 from fxopt.core.inputs import bind_keywords
 from fxopt.core.step import training_step
+from fxopt.analysis.memtrack import LiveStorageTracker
 from fxopt.measure.peaks import measure_train_step
 from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, auto_chunk_rows, decide
 from fxopt.runtime.chunked_loss import (
@@ -125,12 +126,23 @@ def test_runtime_gradients_are_consumed_by_one_backward():
         loss.backward()
 
 
-def test_runtime_without_grad_computes_the_loss_only():
-    h, w = torch.randn(6, 5), torch.randn(7, 5)
-    targets = torch.tensor([1, 2, 3, -100, 0, 6])
-    with torch.no_grad():
-        got = chunked_loss_call(h, w, None, targets, chunk_rows=4)
-    torch.testing.assert_close(got, F.cross_entropy(F.linear(h, w), targets))
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("with_logits", [False, True])
+def test_runtime_without_grad_computes_the_loss_only(no_grad, with_logits):
+    # Parameters that require grad, as in an evaluation loop: no gradient may be made, so the
+    # call holds no weight-sized buffer (the weight's gradient) and does one matmul per chunk.
+    h = torch.randn(8, 64, requires_grad=True)
+    w = torch.randn(1000, 64, requires_grad=True)
+    targets = torch.tensor([1, 2, 3, -100, 0, 6, 999, 500])
+    call = chunked_loss_and_logits if with_logits else chunked_loss_call
+    tracker = LiveStorageTracker()
+    with no_grad(), tracker:
+        got = call(h, w, None, targets, chunk_rows=2)
+    loss = got[0] if with_logits else got
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(h, w), targets))
+    assert not loss.requires_grad
+    logits_bytes = 8 * 1000 * 4 if with_logits else 0
+    assert tracker.peak_bytes < logits_bytes + w.numel() * w.element_size() // 4
 
 
 def test_logits_not_computed_says_why_and_no_grad_still_computes_them():

@@ -198,7 +198,8 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     options = (None if chunk_rows is None else int(chunk_rows), ignore_index,
                float(label_smoothing), reduction,
                tuple(transforms), tuple(row_slices), None)
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, options)[0]
+    return _ChunkedLinearCrossEntropy.apply(*_as_grad_mode_needs(hidden, weight, bias),
+                                            targets, options)[0]
 
 
 def chunked_loss_and_logits(hidden: torch.Tensor, weight: torch.Tensor,
@@ -212,8 +213,21 @@ def chunked_loss_and_logits(hidden: torch.Tensor, weight: torch.Tensor,
     options = (None if chunk_rows is None else int(chunk_rows), ignore_index,
                float(label_smoothing), reduction,
                tuple(transforms), tuple(row_slices), int(logits_transforms))
-    loss, logits = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, options)
+    loss, logits = _ChunkedLinearCrossEntropy.apply(*_as_grad_mode_needs(hidden, weight, bias),
+                                                    targets, options)
     return loss, logits
+
+
+def _as_grad_mode_needs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` detached where grad is disabled (``torch.no_grad``, inference mode).
+
+    A Function's ``ctx.needs_input_grad`` follows its inputs' ``requires_grad`` whatever the
+    grad mode, so an evaluation under ``torch.no_grad()`` would make every gradient in forward,
+    three matmuls of the head instead of one, and hold a weight-sized gradient while it ran.
+    Under no grad nothing is differentiated: the detached inputs are the same values."""
+    if torch.is_grad_enabled():
+        return tensors
+    return tuple(None if t is None else t.detach() for t in tensors)
 
 
 # what an optimized graph calls: recorded as calls, not traced through, when it is traced again
