@@ -42,3 +42,18 @@ def test_a_model_on_the_meta_device_is_not_run():
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     gm = trace(model, torch.randn(2, 4, device="meta"))
     assert forward_seconds(gm) == {}
+
+
+def test_a_short_forward_is_timed_twice_and_a_long_one_once(monkeypatch):
+    from fxopt.analysis import node_timing
+    gm = trace(conv_bn_drop(), torch.randn(2, 3, 8, 8))
+    runs = []
+    run = node_timing._TimedInterpreter.run
+    monkeypatch.setattr(node_timing._TimedInterpreter, "run",
+                        lambda self, *args: runs.append(1) or run(self, *args))
+    forward_seconds(gm)
+    assert len(runs) == 2  # the second run drops first-run costs from the fastest times
+    runs.clear()
+    monkeypatch.setattr(node_timing, "ONE_RUN_SECONDS", 0.0)
+    assert forward_seconds(gm)
+    assert len(runs) == 1

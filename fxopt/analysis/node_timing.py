@@ -13,7 +13,7 @@ forward needs meaningful integer inputs -- and the caller falls back to the roof
 
 Why measure: one FLOP rate and one bandwidth rank ops badly on a CPU, where a training-mode
 BatchNorm reaches a fraction of the copy bandwidth and a convolution a fraction of the matmul
-rate, so the planner paid for recomputation it thought cheap. Costs one or two forwards.
+rate, so the planner paid for recomputation it thought cheap. Costs one or two forwards (one once a forward takes ``ONE_RUN_SECONDS``).
 
 Not handled: ops whose time depends on input values (a sort, data-dependent leaves): the random
 inputs stand in for real ones.
@@ -66,8 +66,14 @@ class _TimedInterpreter(fx.Interpreter):
         return result
 
 
+# A forward at least this long is timed once: what a second run would remove (lazy set-up,
+# first-touch page faults, cuDNN's autotuning) is then a small part of every node's time.
+ONE_RUN_SECONDS = 1.0
+
+
 def forward_seconds(gm: fx.GraphModule, *, runs: int = 2) -> dict[fx.Node, float]:
-    """call node -> seconds of its fastest forward run; ``{}`` if the graph cannot be run."""
+    """call node -> seconds of its fastest forward run; ``{}`` if the graph cannot be run.
+    Runs after the first only while the forwards so far took under ``ONE_RUN_SECONDS``."""
     values = placeholder_values(gm)
     tensors = tensors_in(values)
     state = [*gm.parameters(), *gm.buffers()]
@@ -78,7 +84,10 @@ def forward_seconds(gm: fx.GraphModule, *, runs: int = 2) -> dict[fx.Node, float
         with preserved_state(gm), training_flags(gm, True), torch.no_grad():
             inputs = tree_map_only(torch.Tensor, random_like, values)
             for _ in range(runs):
+                start = time.perf_counter()
                 _TimedInterpreter(gm, seconds).run(*inputs)
+                if time.perf_counter() - start >= ONE_RUN_SECONDS:
+                    break
     except Exception:  # noqa: BLE001 -- any failure means: no profile, use the roofline
         return {}
     return seconds
