@@ -32,9 +32,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from fxopt.graph.meta import refresh_meta
 from fxopt.planning.causal_mask import SDPA, causal_sdpa_calls, sdpa_argument
-from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.rewrite.pass_base import PassResult, graph_edited, mark_new
 
 __all__ = ["PASS_NAME", "SDPA", "causal_attention"]
 
@@ -59,7 +58,6 @@ def causal_attention(gm: fx.GraphModule) -> PassResult:
         rewritten.append(node.name)
     if rewritten:
         gm.graph.eliminate_dead_code()
-        gm.recompile()
-        refresh_meta(gm)
+        graph_edited(gm)
     return PassResult(gm, bool(rewritten), {"rewritten": len(rewritten), "sites": rewritten,
                                              "skipped": skipped})

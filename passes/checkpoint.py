@@ -57,7 +57,6 @@ from typing import Any
 from torch import fx
 
 from fxopt.analysis.estimate import estimate_train_peak
-from fxopt.graph.meta import refresh_meta
 from fxopt.core.graphs import placeholder_values
 from fxopt.graph.graphs import graph_module_like
 from fxopt.core.tensors import format_bytes
@@ -69,7 +68,7 @@ from fxopt.planning.checkpoint_search import least_memory_plan, search_plan
 from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, fast_chunk_rows
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
 from fxopt.rewrite.loss_chunk_calls import LossChunks
-from fxopt.rewrite.pass_base import PassResult, StatsItem, mark_new
+from fxopt.rewrite.pass_base import PassResult, StatsItem, graph_edited, mark_new
 from fxopt.analysis.blocks import module_span
 from fxopt.rewrite.region_graphs import region_graphs
 from fxopt.rewrite.subgraph import region_io
@@ -263,8 +262,7 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     if plan.empty:
         return PassResult(gm, bool(loss_calls), stats)
     stats["regions"] = apply_plan(gm, forward, plan)
-    gm.recompile()
-    refresh_meta(gm)
+    graph_edited(gm)
     stats.update({"regions_count": len(plan.regions),
                   "predicted_extra_ms": round(plan.extra_seconds * 1e3, 3),
                   "solver_seconds": round(plan.solve_seconds, 3),

@@ -58,7 +58,6 @@ from torch import fx
 
 from fxopt.analysis.token_loss import TokenLoss, find_token_losses, is_assert, is_shape_read
 from fxopt.analysis.estimate import estimate_train_peak
-from fxopt.graph.meta import refresh_meta
 from fxopt.core.graphs import placeholder_values
 from fxopt.graph.graphs import graph_module_like
 from fxopt.core.errors import ConfigError
@@ -67,7 +66,7 @@ from fxopt.core.training_setup import OUTPUTS, TrainingSetup
 from fxopt.planning.budget import parse_budget
 from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, decide
 from fxopt.rewrite.loss_chunk_calls import LossChunks
-from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.rewrite.pass_base import PassResult, graph_edited, mark_new
 from fxopt.runtime.chunked_loss import (
     chunked_loss as chunked_loss_call,
 )
@@ -144,9 +143,7 @@ def _apply(gm: fx.GraphModule, *, outputs: str, chunk_rows: int | str, force: bo
                       predicted_added_bytes=decision.added_bytes)
         records.append(record)
     if records:
-        gm.graph.lint()
-        gm.recompile()
-        refresh_meta(gm)
+        graph_edited(gm)
     return records, skipped
 
 

@@ -39,8 +39,7 @@ from torch import fx, nn
 
 from fxopt.core.errors import ConfigError
 from fxopt.core.modules import has_hooks
-from fxopt.graph.meta import refresh_meta
-from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.rewrite.pass_base import PassResult, graph_edited, mark_new
 from fxopt.runtime.chunked_mlp import chunk_rows
 from fxopt.runtime.chunked_mlp import chunked_mlp as chunked_mlp_call
 
@@ -79,9 +78,7 @@ def chunked_mlp(gm: fx.GraphModule, *, budget: Any = None, force: bool = False,
             continue
         sites.append(_rewrite(gm, node, mlp))
     if sites:
-        gm.graph.lint()
-        gm.recompile()
-        refresh_meta(gm)
+        graph_edited(gm)
     return PassResult(gm, bool(sites), {"rewritten": len(sites), "sites": sites,
                                         "skipped": skipped})
 

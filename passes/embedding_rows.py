@@ -27,8 +27,7 @@ from torch import fx, nn
 
 from fxopt.core.modules import has_hooks
 from fxopt.core.training_setup import TrainingSetup
-from fxopt.graph.meta import refresh_meta
-from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.rewrite.pass_base import PassResult, graph_edited, mark_new
 from fxopt.runtime.embedding_rows import embedding_rows as embedding_rows_call
 from fxopt.runtime.fused_step import fused_parameters
 
@@ -61,7 +60,7 @@ def embedding_rows(gm: fx.GraphModule, *, training: TrainingSetup | None = None)
         gm.graph.erase_node(node)
         rewritten.append(call.name)
     if rewritten:
-        refresh_meta(gm)
+        graph_edited(gm)
     return PassResult(gm, bool(rewritten), {"rewritten": rewritten})
 
 

@@ -47,10 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxopt.graph.meta import refresh_meta
 from fxopt.core.modules import call_hooks
 from fxopt.planning.inplace import InplacePlanner
-from fxopt.rewrite.pass_base import PassResult, mark_new
+from fxopt.rewrite.pass_base import PassResult, graph_edited, mark_new
 
 PASS_NAME = "inplace_activations"
 
@@ -153,8 +152,7 @@ def inplace_activations(gm: fx.GraphModule, *, train: bool = True) -> PassResult
         planner.rewritten(node, new, source)
         rewritten.append(new.name)
     if rewritten:
-        gm.recompile()
-        refresh_meta(gm)
+        graph_edited(gm)
     return PassResult(gm, bool(rewritten), {"rewritten": len(rewritten), "sites": rewritten,
                                              "skipped": skipped})
 

@@ -73,7 +73,6 @@ import torch.nn.functional as F
 from torch import fx
 
 from fxopt.analysis.writes import overwritten_by_a_user
-from fxopt.graph.meta import refresh_meta
 from fxopt.core import meta_keys
 from fxopt.core.errors import ConfigError
 from fxopt.planning.pad_plan import (
@@ -94,7 +93,7 @@ from fxopt.planning.pad_policy import (
     pad_list,
     padding_pays,
 )
-from fxopt.rewrite.pass_base import PassResult, StatsItem, mark_new
+from fxopt.rewrite.pass_base import PassResult, StatsItem, graph_edited, mark_new
 
 PASS_NAME = "pad_channels"
 MULTIPLES = (8, 16, 32, 64)
@@ -144,8 +143,7 @@ def pad_channels(gm: fx.GraphModule, *, multiple: int = 8, force: bool = False,
             "no heavy op could be padded or was worth it (see declined)"
         return PassResult(gm, False, stats)
     slices = _Rewriter(gm, plan).run()
-    gm.recompile()
-    refresh_meta(gm)
+    graph_edited(gm)
     flops = sum(a.flops for a in plan.anchors.values())
     extra = sum(a.extra_flops for a in plan.anchors.values())
     stats.update({"extra_flops": extra,

@@ -19,6 +19,7 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult as _TorchPassResult
 
 from fxopt.core import meta_keys
+from fxopt.graph.meta import refresh_meta
 
 
 class PassResult(_TorchPassResult):
@@ -73,3 +74,13 @@ def mark_new(node: fx.Node, pass_name: str) -> fx.Node:
     """Record that ``pass_name`` created ``node``."""
     node.meta[meta_keys.PASS] = pass_name
     return node
+
+
+def graph_edited(gm: fx.GraphModule) -> None:
+    """What a pass does once it has edited ``gm``'s graph: check it (``Graph.lint``), regenerate
+    ``gm``'s code, so the module runs the edit even when the pass is called on its own (outside
+    ``fxopt.rewrite.pipeline``), and recompute every node's ``meta["val"]``, which later passes
+    and the pipeline's lint read."""
+    gm.graph.lint()
+    gm.recompile()
+    refresh_meta(gm)
