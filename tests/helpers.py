@@ -86,7 +86,9 @@ def check_pass(
     result = pass_fn(gm, **options)
     assert result.graph_module is gm
     assert result.modified is expect_modified, result.stats
+    code = gm.code
     gm.recompile()
+    assert gm.code == code, "the pass left the module running its old code (no recompile)"
     assert graph_problems(gm, before) == []
     if not expect_modified:
         assert gm.code == before.code
