@@ -13,7 +13,8 @@ forward needs meaningful integer inputs -- and the caller falls back to the roof
 
 Why measure: one FLOP rate and one bandwidth rank ops badly on a CPU, where a training-mode
 BatchNorm reaches a fraction of the copy bandwidth and a convolution a fraction of the matmul
-rate, so the planner paid for recomputation it thought cheap. Costs one or two forwards (one once a forward takes ``ONE_RUN_SECONDS``).
+rate, so the planner paid for recomputation it thought cheap. Costs one or two forwards (one
+when the first takes ``ONE_RUN_SECONDS`` or more).
 
 Not handled: ops whose time depends on input values (a sort, data-dependent leaves): the random
 inputs stand in for real ones.
