@@ -7,6 +7,10 @@ cannot meet. Anything else is a bug: an ``EquivalenceError`` (a pass changed the
 ``PassError`` (a pass crashed), another fxopt error on a model that is valid by construction, or
 a bare torch exception. In every case the user's model is exactly as before.
 
+Three properties: random models of many op kinds (tests/random_models.py); deep conv chains,
+where checkpointing has activations to save; and random causal language models
+(tests/random_lms.py), where the language-model passes act, forced to at these sizes.
+
 Profiles (tests/conftest.py): ``ci`` runs ``CI_EXAMPLES`` reproducible examples;
 ``FXOPT_HYPOTHESIS_PROFILE=long`` (benchmarks/fuzz_long.py) runs thousands. The outcome counts
 are printed at the end of the module (``-s``) and written to ``$FXOPT_FUZZ_OUTCOMES`` if set.
@@ -24,6 +28,7 @@ import torch
 from helpers import Snapshot
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from random_lms import LMSpec, build_lm, lm_specs
 from random_models import NetSpec, Op, build, net_specs
 
 import fxopt
@@ -32,7 +37,7 @@ import fxopt.passes as pass_registry
 PROFILE = os.environ.get("FXOPT_HYPOTHESIS_PROFILE", "ci")
 # ci: about 45 s on 2 shared CPU cores (the budget is 90 s); other profiles: their own count,
 # or FXOPT_FUZZ_EXAMPLES per property (benchmarks/fuzz_long.py)
-CI_EXAMPLES = {"any": 160, "deep": 60}
+CI_EXAMPLES = {"any": 160, "deep": 60, "lm": 10}
 
 
 def examples(kind: str):
@@ -107,7 +112,7 @@ budgets = st.one_of(
 
 def check_optimize(spec, pass_list, budget) -> str:
     """Run the property on one case; returns the outcome name (or raises AssertionError)."""
-    model, inputs = build(spec)
+    model, inputs = build_lm(spec) if isinstance(spec, LMSpec) else build(spec)
     snapshot = Snapshot(model)
     try:
         gm = fxopt.optimize(model, inputs, passes=pass_list, memory_budget=budget, verify=True)
@@ -117,7 +122,8 @@ def check_optimize(spec, pass_list, budget) -> str:
     except fxopt.FxoptError as error:
         raise AssertionError(
             f"{type(error).__name__} on a valid random model (a bug; reproduce with "
-            f"build({spec!r}) and passes={pass_list!r}, memory_budget={budget!r}):\n{error}"
+            f"{'build_lm' if isinstance(spec, LMSpec) else 'build'}({spec!r}) and "
+            f"passes={pass_list!r}, memory_budget={budget!r}):\n{error}"
         ) from error
     else:
         report = gm.fxopt_report.verification
@@ -163,10 +169,34 @@ def test_checkpointing_deep_networks_is_equal_or_a_budget_error(spec, pass_list,
     run_case(spec, pass_list, budget)
 
 
-ANY, DEEP = ("test_optimize_is_equal_or_a_budget_error",
-             "test_checkpointing_deep_networks_is_equal_or_a_budget_error")
+# The language-model passes, forced to act at these sizes (a vocabulary of a few dozen, a few
+# tokens): chunks of 4 tokens for the loss, of 2 for the MLP, so both run over several chunks.
+LM_FORCED = {"chunked_loss": {"force": True, "chunk_rows": 4},
+             "chunked_mlp": {"force": True, "min_rows": 2}}
+LM_PASSES = ("inplace_activations", "causal_attention", "chunked_loss", "chunked_mlp",
+             "checkpoint", "reorder")
+
+
+def lm_pass_combinations() -> list[list | None]:
+    """``None`` and every subset of ``LM_PASSES``, in canonical order."""
+    names = [n for n in pass_registry.REGISTRY.canonical_order() if n in LM_PASSES]
+    return [None, *[[(n, LM_FORCED[n]) if n in LM_FORCED else n for n in c]
+                    for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)]]
+
+
+@examples("lm")
+@given(spec=lm_specs(), pass_list=st.sampled_from(lm_pass_combinations()),
+       budget=st.one_of(st.none(), st.just("min"), st.floats(0.3, 1.0)))
+def test_language_models_are_equal_or_a_budget_error(spec, pass_list, budget):
+    """Random causal LMs (tests/random_lms.py), where the language-model passes act."""
+    run_case(spec, pass_list, budget)
+
+
+ANY, DEEP, LM = ("test_optimize_is_equal_or_a_budget_error",
+                 "test_checkpointing_deep_networks_is_equal_or_a_budget_error",
+                 "test_language_models_are_equal_or_a_budget_error")
 # Least share of the examples a pass ran on (to the end, without error) where it changed the
-# graph, in the ci profile (None: both properties together). About half of what was measured
+# graph, in the ci profile (None: the properties together). About half of what was measured
 # (derandomized, 214 examples; -s prints the counts): inplace_activations 17/81 = 21%,
 # pad_channels 26/64 = 41%, reorder 10/75 = 13%, checkpoint 16/16 in the deep property -- and
 # 0/51 in the other, where a random small model's budget is infeasible or already met, so
@@ -177,20 +207,20 @@ MIN_CHANGED_SHARE = {
     (None, "pad_channels"): 0.20,
     (None, "reorder"): 0.06,
     (DEEP, "checkpoint"): 0.50,
-    # The random models have no attention, so no mask for it to remove: it must run on every
-    # example and leave it unchanged (the property), and tests/test_causal_attention.py shows it act.
+    # The language-model passes act on the random LMs (lm, 10 examples in the ci profile,
+    # measured: chunked_loss 2/2, chunked_mlp 2/2, causal_attention 1/6 -- it removes a mask
+    # built from the input's sizes, which a quarter of the models have -- keep_blocks 7/7); the
+    # other random models have none of what they read (None: no least share).
+    (LM, "chunked_loss"): 0.5,
+    (LM, "chunked_mlp"): 0.5,
+    (LM, "causal_attention"): 0.1,
+    (LM, "keep_blocks"): 0.5,
     (None, "causal_attention"): 0.0,
-    # Likewise no language-model loss: tests/test_chunked_loss.py shows it act, and
-    # tests/test_loss_chunk_plan.py the checkpoint plan sizing its chunks.
     (None, "chunked_loss"): 0.0,
-    # No embedding lookups either, and no fused optimizer step, the only training it acts for:
+    # No example has a fused optimizer step, the only training it acts for:
     # tests/test_gradient_rows.py shows it act (goldens, a Hugging Face Llama).
     (None, "embedding_rows"): 0.0,
-    # A transformer MLP over more than one chunk of 256 tokens, at "min": no random model has
-    # one; tests/test_chunked_mlp.py shows it act (goldens, a Hugging Face Llama).
     (None, "chunked_mlp"): 0.0,
-    # Random models have no numbered blocks with submodules of their own: tests/test_blocks.py
-    # shows it act.
     (None, "keep_blocks"): 0.0,
 }
 
@@ -202,7 +232,7 @@ def changed_and_ran(prop: str | None, name: str) -> tuple[int, int]:
 
 
 def label(prop: str | None) -> str:
-    return {None: "all", ANY: "any", DEEP: "deep"}.get(prop, prop)
+    return {None: "all", ANY: "any", DEEP: "deep", LM: "lm"}.get(prop, prop)
 
 
 def shares_text() -> str:
@@ -215,12 +245,13 @@ def test_every_pass_rewrites_a_share_of_the_examples():
 
     Judged in the ci profile only, where the examples are the same on every run; a random-seeded
     long run prints its shares (and writes them to $FXOPT_FUZZ_OUTCOMES) instead. Whatever ran
-    before, in any order or worker process: both properties are run here, and each case they
+    before, in any order or worker process: the properties are run here, and each case they
     already ran in this process is counted once (``run_case``), not run again."""
     if PROFILE != "ci" or os.environ.get("FXOPT_FUZZ_EXAMPLES"):
         pytest.skip(f"shares are judged in the ci profile; this run's: {shares_text()}")
     for prop, run in ((ANY, test_optimize_is_equal_or_a_budget_error),
-                      (DEEP, test_checkpointing_deep_networks_is_equal_or_a_budget_error)):
+                      (DEEP, test_checkpointing_deep_networks_is_equal_or_a_budget_error),
+                      (LM, test_language_models_are_equal_or_a_budget_error)):
         _RUNNING.append(prop)
         try:
             run()
