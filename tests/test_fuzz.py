@@ -112,7 +112,8 @@ budgets = st.one_of(
 
 def check_optimize(spec, pass_list, budget) -> str:
     """Run the property on one case; returns the outcome name (or raises AssertionError)."""
-    model, inputs = build_lm(spec) if isinstance(spec, LMSpec) else build(spec)
+    builder = build_lm if isinstance(spec, LMSpec) else build
+    model, inputs = builder(spec)
     snapshot = Snapshot(model)
     try:
         gm = fxopt.optimize(model, inputs, passes=pass_list, memory_budget=budget, verify=True)
@@ -122,7 +123,7 @@ def check_optimize(spec, pass_list, budget) -> str:
     except fxopt.FxoptError as error:
         raise AssertionError(
             f"{type(error).__name__} on a valid random model (a bug; reproduce with "
-            f"{'build_lm' if isinstance(spec, LMSpec) else 'build'}({spec!r}) and "
+            f"{builder.__name__}({spec!r}) and "
             f"passes={pass_list!r}, memory_budget={budget!r}):\n{error}"
         ) from error
     else:
