@@ -18,6 +18,7 @@ from torch import fx, nn
 import fxopt.passes as builtin_passes
 from fxopt.analysis.device_memory import measure_device_memory
 from fxopt.analysis.leaf_runs import measure_leaves
+from fxopt.analysis.prediction_memo import predictions_remembered
 from fxopt.capture.chain import capture as capture_model
 from fxopt.capture.chain import check_capture_option
 from fxopt.graph.meta import drop_autograd_history
@@ -172,7 +173,7 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
     # Whatever tracing or a pass does to the user's tensors (a forward run eagerly, a timing
     # run drawing random numbers, a pass that crashes half-way) is undone here.
     clock = PhaseClock()
-    with preserved_state(model):
+    with preserved_state(model), predictions_remembered():
         with clock("capture"):
             gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
             measure_leaves(gm, args)  # opaque leaves' memory on a real run, for the report
@@ -201,10 +202,11 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
                     gm, captured, report.passes, config, registry,
                     lambda module: measure_train_step(module, args, training=training).peak_bytes,
                     device=str(device), minimum=is_min(memory_budget))
-        guard_shards(gm)
         with clock("predict"):
             report.predicted_after = (predicted_peaks(gm, training) if predict_memory
                                       else None)
+        guard_shards(gm)  # after the prediction: a run-time check, and the plan's graph is then
+        #                   the graph predicted (one prediction, remembered)
     drop_autograd_history(gm)
     copy_training_flags(model, gm)
     refuse_pickling(gm)  # a pass may have rebuilt the module

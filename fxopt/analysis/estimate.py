@@ -50,6 +50,7 @@ from fxopt.analysis.fused_gradients import (
     fused_steps_on_fakes,
 )
 from fxopt.analysis.memtrack import LiveStorageTracker, tag_live
+from fxopt.analysis.prediction_memo import remembered
 from fxopt.graph.fake_run import (
     on_fake_tensors,
     opaque_leaves_stood_in,
@@ -117,7 +118,14 @@ def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, 
     stepped there on the fakes too (``fxopt.analysis.fused_gradients``); under per-block
     sharding the gradients of the blocks' parameters are dropped once accumulated
     (``gradients_released``). Workspaces measured on the device (``training.device_memory``)
-    are held while their op runs."""
+    are held while their op runs. Inside ``predictions_remembered`` (one ``optimize`` call), a
+    prediction asked for again is answered from memory (``fxopt.analysis.prediction_memo``)."""
+    return remembered(step.__name__, module, example_inputs, training,
+                      lambda: _predicted(module, example_inputs, step, training))
+
+
+def _predicted(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], Any],
+               training: TrainingSetup) -> TrainPeak:
     train = step is _train
     real = dict(module.named_parameters(remove_duplicate=False)) if train else {}
     fused_optimizer = training.fused_optimizer if train else None

@@ -1,0 +1,201 @@
+"""Each distinct prediction made once per ``optimize`` call: ``predictions_remembered``.
+
+One ``fxopt.optimize`` call predicts the same step of the same module more than once:
+
+- the report predicts the graph as captured, and the first pass that plans memory predicts it
+  again as its starting point;
+- a pass predicts the graph it leaves, and the next pass predicts that graph again;
+- the checkpoint pass predicts its chosen plan on a copy of the graph, and the report then
+  predicts the graph that plan was applied to.
+
+Each prediction is a fake-tensor run of a whole training step (``fxopt.analysis.estimate``):
+about 0.7 s for the 4-layer Llama of issue 36's CPU size, more on larger graphs, on a CPU or a
+GPU alike, since fake tensors do no arithmetic. Its result depends only on what the module
+computes, on the example inputs' metadata and on the training setup. Inside
+``predictions_remembered()``, ``remembered`` keeps each result under a ``fingerprint`` of those,
+and returns it when the same prediction is asked for again.
+
+The fingerprint describes everything a fake run of the module reads:
+
+- every GraphModule's generated code (the root's, its submodules', and the graphs held by plain
+  attributes: a checkpointed region's body, forward and recompute graphs, an eval-mode graph);
+- every other module's class, training flag, hooks and attributes (a Dropout's ``p``);
+- plain Python objects the module holds (a region's flags), walked through their attributes;
+- tensors by metadata (shape, stride, dtype, device, ``requires_grad``) and by which of them are
+  the same tensor or share a storage, never by value: a fake run reads no values;
+- the example inputs' metadata and structure, the training setup, and the default dtype.
+
+An object it cannot look into (no ``__dict__``, a function with a closure) is described by its
+identity, so such a module matches only itself: a miss, never a false match. A module too large
+to describe cheaply (``MAX_ITEMS``) is not remembered.
+
+Safe because the scope is one ``optimize`` call: what a fake run reads besides the module and
+the inputs (the leaf runs recorded at capture, the user's fused optimizer) does not change
+inside it. Outside the scope nothing is remembered: ``fxopt.estimate_peak`` called by a user
+always runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import sys
+import types
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import fx, nn
+
+T = TypeVar("T")
+
+MAX_ITEMS = 500_000  # values described per fingerprint; beyond, the module is not remembered
+
+_MEMO: contextvars.ContextVar[dict[Hashable, Any] | None] = contextvars.ContextVar(
+    "fxopt_prediction_memo", default=None)
+
+# A GraphModule's attributes that do not decide what it computes: its graph (its generated
+# code, described instead, is what runs), its analyses' annotations and optimize's report.
+_GRAPH_MODULE_SKIPPED = frozenset({"graph", "_graph", "meta", "_code", "_lineno_map",
+                                   "_prologue_start", "_tracer_cls", "_tracer_extras",
+                                   "fxopt_report"})
+
+
+@contextlib.contextmanager
+def predictions_remembered() -> Iterator[None]:
+    """Inside: ``remembered`` keeps each prediction and answers a repeat from memory."""
+    token = _MEMO.set({})
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
+
+
+def remembered(what: str, module: nn.Module, inputs: Any, training: Hashable,
+               predict: Callable[[], T]) -> T:
+    """``predict()``, or its result from earlier inside the same ``predictions_remembered``
+    scope for an equal ``(what, fingerprint(module, inputs), training)``. A ``predict`` that
+    raises is not remembered."""
+    memo = _MEMO.get()
+    if memo is None:
+        return predict()
+    key = fingerprint(module, inputs)
+    if key is None:
+        return predict()
+    try:
+        key = (what, key, training)
+        hash(key)
+    except TypeError:  # a training setup holding something unhashable
+        return predict()
+    if key not in memo:
+        memo[key] = predict()
+    return memo[key]
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def fingerprint(module: nn.Module, inputs: Any) -> Hashable | None:
+    """What a fake run of ``module`` on ``inputs`` depends on, as a hashable value (module
+    docstring); None for a module too large to describe."""
+    try:
+        return _Describer().describe((module, inputs, torch.get_default_dtype()))
+    except _TooLarge:
+        return None
+
+
+class _Describer:
+    """Describes a value as nested tuples; objects seen before become a reference to the order
+    they were first seen in, so sharing is part of the description and cycles end."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+        self.storages: dict[int, int] = {}
+        self.items = 0
+        self.keep: list[Any] = []  # what ``seen`` holds ids of stays alive while describing
+
+    def describe(self, value: Any) -> Hashable:
+        self.items += 1
+        if self.items > MAX_ITEMS:
+            raise _TooLarge
+        if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+            return (type(value).__name__, repr(value))
+        if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return ("torch", repr(value))
+        if isinstance(value, torch.Size):
+            return ("size", tuple(str(s) for s in value))
+        if id(value) in self.seen:
+            return ("ref", self.seen[id(value)])
+        self.seen[id(value)] = len(self.seen)
+        self.keep.append(value)
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value)
+        if isinstance(value, fx.GraphModule):
+            return self._graph_module(value)
+        if isinstance(value, nn.Module):
+            return ("module", self._class(type(value)), self._attributes(vars(value)))
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__, tuple(self.describe(v) for v in value))
+        if isinstance(value, dict):
+            return (type(value).__name__,
+                    tuple((self.describe(k), self.describe(v)) for k, v in value.items()))
+        if isinstance(value, (set, frozenset)):
+            return (type(value).__name__, tuple(sorted(repr(self.describe(v)) for v in value)))
+        if isinstance(value, functools.partial):
+            return ("partial", self.describe(value.func), self.describe(value.args),
+                    self.describe(value.keywords))
+        if isinstance(value, types.MethodType):
+            return ("method", self.describe(value.__func__), self.describe(value.__self__))
+        if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type,
+                              types.ModuleType)) or not hasattr(value, "__dict__"):
+            return self._named(value)
+        return ("object", self._class(type(value)), self._attributes(vars(value)))
+
+    def _tensor(self, t: torch.Tensor) -> Hashable:
+        try:
+            storage = t.untyped_storage()._cdata
+            offset = t.storage_offset()
+            stride = tuple(str(s) for s in t.stride())
+        except (RuntimeError, NotImplementedError, AttributeError):  # no storage (sparse, ...)
+            storage, offset, stride = id(t), 0, ()
+        shared = self.storages.setdefault(storage, len(self.storages))
+        return ("tensor", type(t).__name__, tuple(str(s) for s in t.shape), stride, str(offset),
+                repr(t.dtype), str(t.device), t.requires_grad, isinstance(t, nn.Parameter),
+                shared)
+
+    def _graph_module(self, gm: fx.GraphModule) -> Hashable:
+        attributes = {k: v for k, v in vars(gm).items() if k not in _GRAPH_MODULE_SKIPPED}
+        cls = type(gm)
+        # fx makes a class per GraphModule to hold its generated forward: described by the code
+        # it runs and the classes it derives from, not by its identity
+        generated = cls.__name__ == "GraphModuleImpl" or "forward" in vars(cls)
+        cls_description = (("generated", tuple(self._class(b) for b in cls.__bases__))
+                           if generated else self._class(cls))
+        return ("graph module", cls_description, gm.code, self._attributes(attributes))
+
+    def _attributes(self, attributes: dict[str, Any]) -> Hashable:
+        """An object's attributes by name (a copy may have set them in another order)."""
+        return tuple((name, self.describe(attributes[name])) for name in sorted(attributes))
+
+    def _class(self, cls: type) -> Hashable:
+        return self._named(cls)
+
+    def _named(self, value: Any) -> Hashable:
+        """A function, class or module by the name it is importable under, when that name finds
+        this very object; else by identity (a closure, a class made at run time)."""
+        if isinstance(value, types.ModuleType):
+            return ("python module", value.__name__)
+        module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+        if isinstance(module, str) and isinstance(qualname, str) and not getattr(
+                value, "__closure__", None) and _resolves_to(module, qualname, value):
+            return ("named", module, qualname)
+        return ("identity", type(value).__name__, id(value))
+
+
+def _resolves_to(module: str, qualname: str, value: Any) -> bool:
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found is value
