@@ -12,7 +12,7 @@ import fxopt
 import fxopt.analysis.estimate as estimate
 import fxopt.analysis.costmodel
 import fxopt.api
-from fxopt.analysis.prediction_memo import fingerprint, predictions_remembered
+from fxopt.analysis.prediction_memo import fingerprint, predictions_remembered, remembered
 from fxopt.capture.trace import trace
 from fxopt.runtime.regions import CheckpointedRegion
 
@@ -153,3 +153,19 @@ def test_the_fingerprint_changes_with_what_a_fake_run_reads(optimized, change):
     before = fingerprint(tied, (x,))
     _changes()[change](tied)
     assert fingerprint(tied, (x,)) != before, change
+
+
+def test_an_object_described_by_its_address_is_kept_alive_while_remembered():
+    """A closure is described by its address: were it freed, the next closure could take the
+    address and match a module that computes something else."""
+    def scaled(scale):
+        return lambda t: t * scale
+
+    predicted = []
+    with predictions_remembered():
+        for scale in (2.0, 3.0):
+            module = nn.Identity()
+            module.scale = scaled(scale)
+            remembered("train", module, (), None, lambda: predicted.append(scale))
+            del module
+    assert predicted == [2.0, 3.0]

@@ -26,8 +26,9 @@ The fingerprint describes everything a fake run of the module reads:
 - the example inputs' metadata and structure, the training setup, and the default dtype.
 
 An object it cannot look into (no ``__dict__``, a function with a closure) is described by its
-identity, so such a module matches only itself: a miss, never a false match. A module too large
-to describe cheaply (``MAX_ITEMS``) is not remembered.
+address, and the memo keeps it alive, so no other object can take that address: such a module
+matches only itself, a miss, never a false match. A module too large to describe cheaply
+(``MAX_ITEMS``) is not remembered.
 
 Safe because the scope is one ``optimize`` call: what a fake run reads besides the module and
 the inputs (the leaf runs recorded at capture, the user's fused optimizer) does not change
@@ -52,8 +53,8 @@ T = TypeVar("T")
 
 MAX_ITEMS = 500_000  # values described per fingerprint; beyond, the module is not remembered
 
-_MEMO: contextvars.ContextVar[dict[Hashable, Any] | None] = contextvars.ContextVar(
-    "fxopt_prediction_memo", default=None)
+_MEMO: contextvars.ContextVar[_Memo | None] = contextvars.ContextVar("fxopt_prediction_memo",
+                                                                     default=None)
 
 # A GraphModule's attributes that do not decide what it computes: its graph (its generated
 # code, described instead, is what runs), its analyses' annotations and optimize's report.
@@ -65,7 +66,7 @@ _GRAPH_MODULE_SKIPPED = frozenset({"graph", "_graph", "meta", "_code", "_lineno_
 @contextlib.contextmanager
 def predictions_remembered() -> Iterator[None]:
     """Inside: ``remembered`` keeps each prediction and answers a repeat from memory."""
-    token = _MEMO.set({})
+    token = _MEMO.set(_Memo())
     try:
         yield
     finally:
@@ -80,17 +81,25 @@ def remembered(what: str, module: nn.Module, inputs: Any, training: Hashable,
     memo = _MEMO.get()
     if memo is None:
         return predict()
-    key = fingerprint(module, inputs)
-    if key is None:
-        return predict()
+    describer = _Describer()
     try:
-        key = (what, key, training)
+        key = (what, describer.describe((module, inputs, torch.get_default_dtype())), training)
         hash(key)
-    except TypeError:  # a training setup holding something unhashable
+    except (_TooLarge, TypeError):  # too large, or a training setup holding the unhashable
         return predict()
-    if key not in memo:
-        memo[key] = predict()
-    return memo[key]
+    if key not in memo.results:
+        memo.results[key] = predict()
+        memo.pinned.extend(describer.pinned)
+    return memo.results[key]
+
+
+class _Memo:
+    """Predictions by key, and every object a key names by its address (``id``), kept alive
+    while the memo is, so that no other object can take that address and match the key."""
+
+    def __init__(self) -> None:
+        self.results: dict[Hashable, Any] = {}
+        self.pinned: list[Any] = []
 
 
 class _TooLarge(Exception):
@@ -99,7 +108,8 @@ class _TooLarge(Exception):
 
 def fingerprint(module: nn.Module, inputs: Any) -> Hashable | None:
     """What a fake run of ``module`` on ``inputs`` depends on, as a hashable value (module
-    docstring); None for a module too large to describe."""
+    docstring); None for a module too large to describe. An object described by its address is
+    only told apart from objects alive at the same time."""
     try:
         return _Describer().describe((module, inputs, torch.get_default_dtype()))
     except _TooLarge:
@@ -115,6 +125,7 @@ class _Describer:
         self.storages: dict[int, int] = {}
         self.items = 0
         self.keep: list[Any] = []  # what ``seen`` holds ids of stays alive while describing
+        self.pinned: list[Any] = []  # what is described by its address
 
     def describe(self, value: Any) -> Hashable:
         self.items += 1
@@ -191,6 +202,7 @@ class _Describer:
         if isinstance(module, str) and isinstance(qualname, str) and not getattr(
                 value, "__closure__", None) and _resolves_to(module, qualname, value):
             return ("named", module, qualname)
+        self.pinned.append(value)
         return ("identity", type(value).__name__, id(value))
 
 
