@@ -128,6 +128,7 @@ def _changes():
             _region(gm).recompute or _region(gm).body)),
         "a shared parameter made separate": untie,
         "a forward hook": hook,
+        "a member set on its class": lambda gm: setattr(type(gm), "scale", 2.0),
     }
 
 

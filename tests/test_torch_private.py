@@ -366,3 +366,16 @@ def test_the_gated_entry_is_the_one_this_torchs_checkpoint_calls(monkeypatch):
     with private.checkpoint_calls_refused(refuse):
         with pytest.raises(Refused):
             cp._checkpoint_without_reentrant_generator(torch.sin)
+
+
+def test_graph_module_attributes_leave_out_only_the_graph_and_what_fx_derives_from_it():
+    """The prediction memo describes a GraphModule by its code and these attributes: a torch
+    that stores the graph under another name would make every fingerprint walk the graph."""
+    from fxopt.core.torch_private import graph_module_attributes, graph_module_class_members
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))
+    kept = graph_module_attributes(gm)
+    assert not any(isinstance(v, (fx.Graph, str)) for v in kept.values())
+    assert set(vars(gm)) - set(kept) <= {"graph", "_graph", "_code", "_lineno_map",
+                                         "_prologue_start", "_tracer_cls", "_tracer_extras"}
+    assert {"_modules", "_parameters", "_buffers", "_forward_hooks", "training"} <= set(kept)
+    assert graph_module_class_members(type(gm)) == {}  # fx's forward and call wrapper only

@@ -49,18 +49,20 @@ from typing import Any, TypeVar
 import torch
 from torch import fx, nn
 
+from fxopt.core.tensors import storage_key
+from fxopt.core.torch_private import graph_module_attributes, graph_module_class_members
+
 T = TypeVar("T")
 
-MAX_ITEMS = 500_000  # values described per fingerprint; beyond, the module is not remembered
+MAX_ITEMS = 100_000  # values described per fingerprint (a 4-layer Llama: 3,700, 16 ms); beyond,
+#                      the module is not remembered
 
 _MEMO: contextvars.ContextVar[_Memo | None] = contextvars.ContextVar("fxopt_prediction_memo",
                                                                      default=None)
 
-# A GraphModule's attributes that do not decide what it computes: its graph (its generated
-# code, described instead, is what runs), its analyses' annotations and optimize's report.
-_GRAPH_MODULE_SKIPPED = frozenset({"graph", "_graph", "meta", "_code", "_lineno_map",
-                                   "_prologue_start", "_tracer_cls", "_tracer_extras",
-                                   "fxopt_report"})
+# Annotations on a GraphModule that do not decide what it computes: its analyses' and optimize's
+# report.
+_ANNOTATIONS = frozenset({"meta", "fxopt_report"})
 
 
 @contextlib.contextmanager
@@ -166,10 +168,10 @@ class _Describer:
 
     def _tensor(self, t: torch.Tensor) -> Hashable:
         try:
-            storage = t.untyped_storage()._cdata
+            storage = storage_key(t)
             offset = t.storage_offset()
             stride = tuple(str(s) for s in t.stride())
-        except (RuntimeError, NotImplementedError, AttributeError):  # no storage (sparse, ...)
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, ...)
             storage, offset, stride = id(t), 0, ()
         shared = self.storages.setdefault(storage, len(self.storages))
         return ("tensor", type(t).__name__, tuple(str(s) for s in t.shape), stride, str(offset),
@@ -177,14 +179,23 @@ class _Describer:
                 shared)
 
     def _graph_module(self, gm: fx.GraphModule) -> Hashable:
-        attributes = {k: v for k, v in vars(gm).items() if k not in _GRAPH_MODULE_SKIPPED}
-        cls = type(gm)
-        # fx makes a class per GraphModule to hold its generated forward: described by the code
-        # it runs and the classes it derives from, not by its identity
-        generated = cls.__name__ == "GraphModuleImpl" or "forward" in vars(cls)
-        cls_description = (("generated", tuple(self._class(b) for b in cls.__bases__))
-                           if generated else self._class(cls))
-        return ("graph module", cls_description, gm.code, self._attributes(attributes))
+        attributes = {k: v for k, v in graph_module_attributes(gm).items()
+                      if k not in _ANNOTATIONS}
+        return ("graph module", self._graph_module_class(type(gm)), gm.code,
+                self._attributes(attributes))
+
+    def _graph_module_class(self, cls: type) -> Hashable:
+        """fx makes a class per GraphModule to hold its generated forward: described by the
+        classes it derives from and the members fx did not put there (``forward`` is the
+        module's code, described apart), not by its identity."""
+        if "forward" not in vars(cls):
+            return self._class(cls)
+        if id(cls) in self.seen:
+            return ("ref", self.seen[id(cls)])
+        self.seen[id(cls)] = len(self.seen)
+        members = graph_module_class_members(cls)
+        return ("generated", tuple(self._class(b) for b in cls.__bases__),
+                self._attributes(members))
 
     def _attributes(self, attributes: dict[str, Any]) -> Hashable:
         """An object's attributes by name (a copy may have set them in another order)."""

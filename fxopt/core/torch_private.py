@@ -147,6 +147,31 @@ def without_call_wrapper(cls: type) -> type:
     return type(cls.__name__, cls.__bases__, members)
 
 
+# What fx keeps on a GraphModule to hold and run its graph, all derived from the graph, whose
+# generated code (``gm.code``) stands for it.
+_GRAPH_MODULE_INTERNALS = frozenset({"graph", "_graph", "_code", "_lineno_map", "_prologue_start",
+                                     "_tracer_cls", "_tracer_extras"})
+
+
+def graph_module_attributes(gm: fx.GraphModule) -> dict[str, Any]:
+    """``gm``'s instance attributes but its graph and what fx derives from it (its code, line
+    map, tracer): its submodules, parameters, buffers, hooks and whatever else was set on it."""
+    return {k: v for k, v in vars(gm).items() if k not in _GRAPH_MODULE_INTERNALS}
+
+
+# What fx puts on a GraphModule's per-instance class: its generated forward (described by the
+# module's code) and the call wrapper around it, the same for every GraphModule.
+_GRAPH_MODULE_CLASS_INTERNALS = frozenset({"forward", "_wrapped_call", "__call__", "__dict__",
+                                           "__weakref__", "__module__", "__doc__",
+                                           "__qualname__"})
+
+
+def graph_module_class_members(cls: type) -> dict[str, Any]:
+    """The members of a GraphModule's per-instance class but what fx itself puts there (the
+    generated ``forward`` and its call wrapper): what fxopt or a user added to the class."""
+    return {k: v for k, v in vars(cls).items() if k not in _GRAPH_MODULE_CLASS_INTERNALS}
+
+
 def boxed_codegen() -> CodeGen:
     """The boxed calling convention's code generator: ``forward(args_list)`` empties the list."""
     return _BoxedCodeGen()
@@ -284,6 +309,8 @@ __all__ = [
     "copy_codegen",
     "disable_current_modes",
     "fx",
+    "graph_module_attributes",
+    "graph_module_class_members",
     "has_plain_codegen",
     "keeps_rnn_weight_cache",
     "keystr",
