@@ -94,15 +94,18 @@ def step_seconds(model: nn.Module, args: tuple, kwargs: dict, repeats: int) -> l
 
 
 def optimize_runs(model: nn.Module, args: tuple, kwargs: dict, budget, repeats: int
-                  ) -> tuple[list[float], dict[str, float]]:
-    totals, phases = [], {}
+                  ) -> tuple[list[float], dict[str, float], dict[str, int]]:
+    """Wall times, median phases, and the fake-tensor predictions of the last run (run, and
+    answered from memory)."""
+    totals, phases, predictions = [], {}, {}
     for _ in range(repeats):
         started = time.perf_counter()
         gm = fxopt.optimize(model, args, example_kwargs=kwargs or None, memory_budget=budget)
         totals.append(time.perf_counter() - started)
         for name, seconds in gm.fxopt_report.seconds.items():
             phases.setdefault(name, []).append(seconds)
-    return totals, {name: statistics.median(values) for name, values in phases.items()}
+        predictions = gm.fxopt_report.predictions
+    return totals, {name: statistics.median(values) for name, values in phases.items()}, predictions
 
 
 def main() -> None:
@@ -128,19 +131,21 @@ def main() -> None:
     emit(f"# command: python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}")
     emit("# step: median wall time of the original's training step (forward+backward); optimize: "
          f"median of {options.repeats} runs (min-max); steps = optimize / step; phases: medians, "
-         "seconds")
+         "seconds; fake runs: fake-tensor predictions of a step run (+ answered from memory)")
     emit(f"{'model':<10}{'budget':>8}{'step s':>9}{'optimize s':>12}{'spread':>14}{'steps':>7}"
-         "  phases")
+         f"{'fake runs':>11}  phases")
     for name in options.models.split(","):
         model, args, kwargs = CASES[name]()
         step = statistics.median(step_seconds(model, args, kwargs, 5))
         for budget in (None, BUDGETS[name]):
-            totals, phases = optimize_runs(model, args, kwargs, budget, options.repeats)
+            totals, phases, predictions = optimize_runs(model, args, kwargs, budget,
+                                                        options.repeats)
             total = statistics.median(totals)
             spread = f"{min(totals):.1f}-{max(totals):.1f}"
             shown = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+            runs = f"{predictions.get('run', 0)} (+{predictions.get('remembered', 0)})"
             emit(f"{name:<10}{str(budget or '-'):>8}{step:>9.3f}{total:>12.2f}{spread:>14}"
-                 f"{total / step:>7.1f}  {shown}")
+                 f"{total / step:>7.1f}{runs:>11}  {shown}")
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
     # Whatever tracing or a pass does to the user's tensors (a forward run eagerly, a timing
     # run drawing random numbers, a pass that crashes half-way) is undone here.
     clock = PhaseClock()
-    with preserved_state(model), predictions_remembered():
+    with preserved_state(model), predictions_remembered() as predictions:
         with clock("capture"):
             gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
             measure_leaves(gm, args)  # opaque leaves' memory on a real run, for the report
@@ -207,6 +207,7 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
                                       else None)
         guard_shards(gm)  # after the prediction: a run-time check, and the plan's graph is then
         #                   the graph predicted (one prediction, remembered)
+    report.predictions = {"run": predictions.run, "remembered": predictions.remembered}
     drop_autograd_history(gm)
     copy_training_flags(model, gm)
     refuse_pickling(gm)  # a pass may have rebuilt the module

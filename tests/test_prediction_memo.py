@@ -6,13 +6,18 @@ import copy
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 import fxopt
 import fxopt.analysis.estimate as estimate
 import fxopt.analysis.costmodel
 import fxopt.api
-from fxopt.analysis.prediction_memo import fingerprint, predictions_remembered, remembered
+from fxopt.analysis.prediction_memo import (
+    PredictionCounts,
+    fingerprint,
+    predictions_remembered,
+    remembered,
+)
 from fxopt.capture.trace import trace
 from fxopt.runtime.regions import CheckpointedRegion
 
@@ -54,9 +59,16 @@ def test_optimize_predicts_each_distinct_step_once_and_plans_as_without_memory(
     remembered = fxopt.optimize(model, x, memory_budget=budget)
     # the report's last prediction is of the plan the checkpoint pass predicted
     assert len(runs) < len(asked)
-    runs_remembering, asked_remembering = len(runs), len(asked)
+    assert remembered.fxopt_report.predictions == {"run": len(runs),
+                                                   "remembered": len(asked) - len(runs)}
+    asked_remembering = len(asked)
     runs.clear(), asked.clear()
-    monkeypatch.setattr(fxopt.api, "predictions_remembered", contextlib.nullcontext)
+
+    @contextlib.contextmanager
+    def forgetting():
+        yield PredictionCounts()
+
+    monkeypatch.setattr(fxopt.api, "predictions_remembered", forgetting)
     plain = fxopt.optimize(model, x, memory_budget=budget)
     assert len(runs) == len(asked) == asked_remembering
     assert remembered.code == plain.code
@@ -170,3 +182,21 @@ def test_an_object_described_by_its_address_is_kept_alive_while_remembered():
             remembered("train", module, (), None, lambda: predicted.append(scale))
             del module
     assert predicted == [2.0, 3.0]
+
+
+def _one_op(op, name: str) -> fx.GraphModule:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(op, (x,), name=name))
+    return fx.GraphModule(nn.Module(), graph)
+
+
+def test_graphs_that_differ_only_in_value_names_have_one_fingerprint():
+    """The checkpoint pass predicts a plan on a copy of the graph, whose new nodes are named
+    apart from those of the module it then edits: the report's prediction of that module is
+    the pass's."""
+    x = torch.randn(2, 3)
+    named, renamed = _one_op(torch.relu, "relu"), _one_op(torch.relu, "renamed")
+    assert named.code != renamed.code
+    assert fingerprint(named, (x,)) == fingerprint(renamed, (x,))
+    assert fingerprint(named, (x,)) != fingerprint(_one_op(torch.sigmoid, "relu"), (x,))

@@ -17,8 +17,11 @@ and returns it when the same prediction is asked for again.
 
 The fingerprint describes everything a fake run of the module reads:
 
-- every GraphModule's generated code (the root's, its submodules', and the graphs held by plain
-  attributes: a checkpointed region's body, forward and recompute graphs, an eval-mode graph);
+- every GraphModule's graph, which its code is generated from (the root's, its submodules', and
+  the graphs held by plain attributes: a checkpointed region's body, forward and recompute graphs,
+  an eval-mode graph): each node's op, target and arguments, with values by position, not by
+  name (the checkpoint pass's copies name new nodes apart from the module it edits), and the
+  code generator (the signature, a pytree's flattening, the dispatch on the training flag);
 - every other module's class, training flag, hooks and attributes (a Dropout's ``p``);
 - plain Python objects the module holds (a region's flags), walked through their attributes;
 - tensors by metadata (shape, stride, dtype, device, ``requires_grad``) and by which of them are
@@ -44,13 +47,18 @@ import functools
 import sys
 import types
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 from torch import fx, nn
 
 from fxopt.core.tensors import storage_key
-from fxopt.core.torch_private import graph_module_attributes, graph_module_class_members
+from fxopt.core.torch_private import (
+    codegen_of,
+    graph_module_attributes,
+    graph_module_class_members,
+)
 
 T = TypeVar("T")
 
@@ -66,11 +74,13 @@ _ANNOTATIONS = frozenset({"meta", "fxopt_report"})
 
 
 @contextlib.contextmanager
-def predictions_remembered() -> Iterator[None]:
-    """Inside: ``remembered`` keeps each prediction and answers a repeat from memory."""
-    token = _MEMO.set(_Memo())
+def predictions_remembered() -> Iterator[PredictionCounts]:
+    """Inside: ``remembered`` keeps each prediction and answers a repeat from memory. Yields
+    the counts of predictions run and answered from memory, filled in as they are asked for."""
+    memo = _Memo()
+    token = _MEMO.set(memo)
     try:
-        yield
+        yield memo.counts
     finally:
         _MEMO.reset(token)
 
@@ -89,10 +99,23 @@ def remembered(what: str, module: nn.Module, inputs: Any, training: Hashable,
         hash(key)
     except (_TooLarge, TypeError):  # too large, or a training setup holding the unhashable
         return predict()
-    if key not in memo.results:
+    if key in memo.results:
+        memo.counts.remembered += 1
+    else:
         memo.results[key] = predict()
         memo.pinned.extend(describer.pinned)
+        memo.counts.run += 1
     return memo.results[key]
+
+
+@dataclass
+class PredictionCounts:
+    """Predictions asked for inside one ``predictions_remembered`` scope: ``run`` (fake-tensor
+    runs made) and ``remembered`` (answered from memory). A prediction that could not be
+    remembered (too large to describe) is counted in neither."""
+
+    run: int = 0
+    remembered: int = 0
 
 
 class _Memo:
@@ -102,6 +125,11 @@ class _Memo:
     def __init__(self) -> None:
         self.results: dict[Hashable, Any] = {}
         self.pinned: list[Any] = []
+        self.counts = PredictionCounts()
+
+
+# Atoms that equal others of another type or value (True == 1, -0.0 == 0.0, nan != nan).
+_TAGGED_ATOMS = frozenset({bool, float, complex, bytes})
 
 
 class _TooLarge(Exception):
@@ -128,13 +156,17 @@ class _Describer:
         self.items = 0
         self.keep: list[Any] = []  # what ``seen`` holds ids of stays alive while describing
         self.pinned: list[Any] = []  # what is described by its address
+        self.targets: dict[int, Hashable] = {}  # what graph nodes call, described once each
 
     def describe(self, value: Any) -> Hashable:
         self.items += 1
         if self.items > MAX_ITEMS:
             raise _TooLarge
-        if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-            return (type(value).__name__, repr(value))
+        cls = type(value)
+        if cls is int or cls is str or value is None:  # the most frequent: bare, no tuple
+            return value
+        if cls in _TAGGED_ATOMS:  # True == 1, -0.0 == 0.0: told apart by type and repr
+            return (cls.__name__, repr(value))
         if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
             return ("torch", repr(value))
         if isinstance(value, torch.Size):
@@ -181,8 +213,49 @@ class _Describer:
     def _graph_module(self, gm: fx.GraphModule) -> Hashable:
         attributes = {k: v for k, v in graph_module_attributes(gm).items()
                       if k not in _ANNOTATIONS}
-        return ("graph module", self._graph_module_class(type(gm)), gm.code,
+        return ("graph module", self._graph_module_class(type(gm)), self._graph(gm.graph),
                 self._attributes(attributes))
+
+    def _graph(self, graph: fx.Graph) -> Hashable:
+        """A graph as its code is generated from it, up to the names of its values: each node's
+        op, target and arguments, a node argument by its position, and the code generator
+        (the signature, a pytree's flattening, a dispatch on the training flag). The
+        checkpoint pass's copies and the module it edits name new nodes differently."""
+        position = {node: i for i, node in enumerate(graph.nodes)}
+
+        def argument(value: Any) -> Hashable:
+            if type(value) is int or type(value) is str or value is None:
+                return value
+            if isinstance(value, fx.Node):
+                return ("node", position[value])
+            if isinstance(value, (list, tuple)):
+                return (type(value).__name__, tuple(argument(v) for v in value))
+            if isinstance(value, dict):
+                return ("dict", tuple((k, argument(v)) for k, v in value.items()))
+            if isinstance(value, slice):
+                return ("slice", argument(value.start), argument(value.stop),
+                        argument(value.step))
+            return self.describe(value)
+
+        nodes = tuple((n.op, self._target(n.target), argument(n.args), argument(n.kwargs),
+                       n.name if n.op == "placeholder" else "") for n in graph.nodes)
+        return ("graph", nodes, self.describe(codegen_of(graph)))
+
+    def _target(self, target: Any) -> Hashable:
+        """What a node calls: an attribute path, or a function or operator by its importable
+        name (else its address); an object called (a region) is described like any other."""
+        if isinstance(target, str):
+            return ("path", target)
+        if id(target) in self.targets:
+            return self.targets[id(target)]
+        if isinstance(target, (types.FunctionType, types.BuiltinFunctionType)) or (
+                type(target).__module__ or "").startswith("torch."):
+            described = self._named(target)
+        else:
+            described = self.describe(target)
+        self.targets[id(target)] = described
+        self.keep.append(target)
+        return described
 
     def _graph_module_class(self, cls: type) -> Hashable:
         """fx makes a class per GraphModule to hold its generated forward: described by the

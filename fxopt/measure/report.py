@@ -40,6 +40,8 @@ class Report:
     training: TrainingSetup | None = None  # the training step planned for
     verified_where: str = ""  # where verification ran (``fxopt.verify.fitting``)
     budget_check: BudgetCheck | None = None  # the planned module's real peak against the budget
+    # fake-tensor predictions of a step: {"run": made, "remembered": answered from memory}
+    predictions: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -64,12 +66,13 @@ class Report:
                              {"budget_bytes": self.budget_check.budget_bytes,
                               "rounds": self.budget_check.rounds,
                               "device": self.budget_check.device}),
+            "predictions": dict(self.predictions),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a Report pickled by an earlier fxopt lacks the fields added since
         self.__dict__.update({"seconds": {}, "training": None, "verified_where": "",
-                              "budget_check": None, **state})
+                              "budget_check": None, "predictions": {}, **state})
 
     @property
     def total_seconds(self) -> float:
@@ -108,8 +111,17 @@ class Report:
             lines.append(f"  verification: {self.verification}{where}")
         if self.seconds:
             phases = ", ".join(f"{name} {value:.2f}" for name, value in self.seconds.items())
-            lines.append(f"  time: {self.total_seconds:.2f} s ({phases})")
+            lines.append(f"  time: {self.total_seconds:.2f} s ({phases})" + _predictions_line(
+                self.predictions))
         return "\n".join(lines)
+
+
+def _predictions_line(predictions: dict[str, int]) -> str:
+    if not predictions.get("run"):
+        return ""
+    remembered = predictions.get("remembered", 0)
+    return (f"; {predictions['run']} fake-tensor prediction(s) of a step"
+            + (f", {remembered} more answered from memory" if remembered else ""))
 
 
 class PhaseClock:
