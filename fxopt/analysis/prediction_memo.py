@@ -62,8 +62,8 @@ from fxopt.core.torch_private import (
 
 T = TypeVar("T")
 
-MAX_ITEMS = 100_000  # values described per fingerprint (a 4-layer Llama: 3,700, 16 ms); beyond,
-#                      the module is not remembered
+MAX_ITEMS = 100_000  # values described per fingerprint (a 4-layer Llama: 6,200, about 20 ms);
+#                      beyond, the module is not remembered
 
 _MEMO: contextvars.ContextVar[_Memo | None] = contextvars.ContextVar("fxopt_prediction_memo",
                                                                      default=None)
@@ -93,26 +93,27 @@ def remembered(what: str, module: nn.Module, inputs: Any, training: Hashable,
     memo = _MEMO.get()
     if memo is None:
         return predict()
-    describer = _Describer()
     try:
-        key = (what, describer.describe((module, inputs, torch.get_default_dtype())), training)
+        description, pinned = _described(module, inputs)
+        key = (what, description, training)
         hash(key)
-    except (_TooLarge, TypeError):  # too large, or a training setup holding the unhashable
-        return predict()
-    if key in memo.results:
+    except Exception:  # noqa: BLE001 - too large, or something it cannot describe or hash:
+        key = None     # the prediction runs, and is not remembered
+    if key is not None and key in memo.results:
         memo.counts.remembered += 1
-    else:
-        memo.results[key] = predict()
-        memo.pinned.extend(describer.pinned)
-        memo.counts.run += 1
-    return memo.results[key]
+        return memo.results[key]
+    result = predict()
+    memo.counts.run += 1
+    if key is not None:
+        memo.results[key] = result
+        memo.pinned.extend(pinned)
+    return result
 
 
 @dataclass
 class PredictionCounts:
     """Predictions asked for inside one ``predictions_remembered`` scope: ``run`` (fake-tensor
-    runs made) and ``remembered`` (answered from memory). A prediction that could not be
-    remembered (too large to describe) is counted in neither."""
+    runs made, remembered or not) and ``remembered`` (answered from memory)."""
 
     run: int = 0
     remembered: int = 0
@@ -141,9 +142,15 @@ def fingerprint(module: nn.Module, inputs: Any) -> Hashable | None:
     docstring); None for a module too large to describe. An object described by its address is
     only told apart from objects alive at the same time."""
     try:
-        return _Describer().describe((module, inputs, torch.get_default_dtype()))
+        return _described(module, inputs)[0]
     except _TooLarge:
         return None
+
+
+def _described(module: nn.Module, inputs: Any) -> tuple[Hashable, list[Any]]:
+    """The fingerprint, and the objects it names by their address."""
+    describer = _Describer()
+    return describer.describe((module, inputs, torch.get_default_dtype())), describer.pinned
 
 
 class _Describer:
