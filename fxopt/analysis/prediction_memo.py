@@ -37,6 +37,10 @@ Safe because the scope is one ``optimize`` call: what a fake run reads besides t
 the inputs (the leaf runs recorded at capture, the user's fused optimizer) does not change
 inside it. Outside the scope nothing is remembered: ``fxopt.estimate_peak`` called by a user
 always runs.
+
+Not handled: a GraphModule whose graph was edited without ``recompile()`` runs code its graph
+no longer describes. fxopt recompiles after every edit (``fxopt.rewrite.pass_base.graph_edited``
+and the pipeline after each pass), so no such module reaches a prediction inside ``optimize``.
 """
 
 from __future__ import annotations

@@ -147,8 +147,8 @@ def without_call_wrapper(cls: type) -> type:
     return type(cls.__name__, cls.__bases__, members)
 
 
-# What fx keeps on a GraphModule to hold and run its graph, all derived from the graph, whose
-# generated code (``gm.code``) stands for it.
+# What fx keeps on a GraphModule to hold and run its graph: the graph, and what fx derives from
+# it (the generated code, its line map, the tracer that made it).
 _GRAPH_MODULE_INTERNALS = frozenset({"graph", "_graph", "_code", "_lineno_map", "_prologue_start",
                                      "_tracer_cls", "_tracer_extras"})
 
