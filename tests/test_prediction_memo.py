@@ -56,10 +56,10 @@ def test_optimize_predicts_each_distinct_step_once_and_plans_as_without_memory(
     # node costs from the roofline at this process's rates: the same plan in both calls
     monkeypatch.setattr(fxopt.analysis.costmodel, "forward_seconds", lambda gm: {})
     model, x = small_cnn(), torch.randn(2, 3, 16, 16)
-    remembered = fxopt.optimize(model, x, memory_budget=budget)
+    with_memory = fxopt.optimize(model, x, memory_budget=budget)
     # the report's last prediction is of the plan the checkpoint pass predicted
     assert len(runs) < len(asked)
-    assert remembered.fxopt_report.predictions == {"run": len(runs),
+    assert with_memory.fxopt_report.predictions == {"run": len(runs),
                                                    "remembered": len(asked) - len(runs)}
     asked_remembering = len(asked)
     runs.clear(), asked.clear()
@@ -71,8 +71,8 @@ def test_optimize_predicts_each_distinct_step_once_and_plans_as_without_memory(
     monkeypatch.setattr(fxopt.api, "predictions_remembered", forgetting)
     plain = fxopt.optimize(model, x, memory_budget=budget)
     assert len(runs) == len(asked) == asked_remembering
-    assert remembered.code == plain.code
-    first, second = remembered.fxopt_report, plain.fxopt_report
+    assert with_memory.code == plain.code
+    first, second = with_memory.fxopt_report, plain.fxopt_report
     assert first.predicted_before == second.predicted_before
     assert first.predicted_after == second.predicted_after
     assert [(p.name, p.modified) for p in first.passes] == [
