@@ -12,6 +12,7 @@ import fxopt
 import fxopt.analysis.estimate as estimate
 import fxopt.analysis.costmodel
 import fxopt.api
+from fxopt import models_zoo
 from fxopt.analysis.prediction_memo import (
     PredictionCounts,
     fingerprint,
@@ -19,6 +20,7 @@ from fxopt.analysis.prediction_memo import (
     remembered,
 )
 from fxopt.capture.trace import trace
+from fxopt.measure.peaks import measure_train_step
 from fxopt.runtime.regions import CheckpointedRegion
 
 
@@ -200,3 +202,12 @@ def test_graphs_that_differ_only_in_value_names_have_one_fingerprint():
     assert named.code != renamed.code
     assert fingerprint(named, (x,)) == fingerprint(renamed, (x,))
     assert fingerprint(named, (x,)) != fingerprint(_one_op(torch.sigmoid, "relu"), (x,))
+
+
+def test_a_remembered_prediction_is_the_measured_peak():
+    """On the CPU predictions are exact: the report's prediction of the optimized module, answered
+    from memory (the checkpoint pass predicted that plan), equals its measured training peak."""
+    model, x = models_zoo.build("unet")
+    gm = fxopt.optimize(model, x, memory_budget=0.6)
+    assert gm.fxopt_report.predictions["remembered"] >= 1
+    assert gm.fxopt_report.predicted_after.train_bytes == measure_train_step(gm, x).peak_bytes
