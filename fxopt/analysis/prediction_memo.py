@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import sys
 import types
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from typing import Any, TypeVar
 import torch
 from torch import fx, nn
 
+from fxopt.core.names import qualified_name
 from fxopt.core.tensors import storage_key
 from fxopt.core.torch_private import (
     codegen_of,
@@ -191,7 +191,7 @@ class _Describer:
         if isinstance(value, fx.GraphModule):
             return self._graph_module(value)
         if isinstance(value, nn.Module):
-            return ("module", self._class(type(value)), self._attributes(vars(value)))
+            return ("module", self._named(type(value)), self._attributes(vars(value)))
         if isinstance(value, (list, tuple)):
             return (type(value).__name__, tuple(self.describe(v) for v in value))
         if isinstance(value, dict):
@@ -207,7 +207,7 @@ class _Describer:
         if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type,
                               types.ModuleType)) or not hasattr(value, "__dict__"):
             return self._named(value)
-        return ("object", self._class(type(value)), self._attributes(vars(value)))
+        return ("object", self._named(type(value)), self._attributes(vars(value)))
 
     def _tensor(self, t: torch.Tensor) -> Hashable:
         try:
@@ -273,36 +273,26 @@ class _Describer:
         classes it derives from and the members fx did not put there (``forward`` is the
         module's code, described apart), not by its identity."""
         if "forward" not in vars(cls):
-            return self._class(cls)
+            return self._named(cls)
         if id(cls) in self.seen:
             return ("ref", self.seen[id(cls)])
         self.seen[id(cls)] = len(self.seen)
         members = graph_module_class_members(cls)
-        return ("generated", tuple(self._class(b) for b in cls.__bases__),
+        return ("generated", tuple(self._named(b) for b in cls.__bases__),
                 self._attributes(members))
 
     def _attributes(self, attributes: dict[str, Any]) -> Hashable:
         """An object's attributes by name (a copy may have set them in another order)."""
         return tuple((name, self.describe(attributes[name])) for name in sorted(attributes))
 
-    def _class(self, cls: type) -> Hashable:
-        return self._named(cls)
-
     def _named(self, value: Any) -> Hashable:
-        """A function, class or module by the name it is importable under, when that name finds
-        this very object; else by identity (a closure, a class made at run time)."""
+        """A function, class or module by the name it is importable under
+        (``fxopt.core.names.qualified_name``); else by its address (a closure, a class made at
+        run time), kept alive by the memo."""
         if isinstance(value, types.ModuleType):
             return ("python module", value.__name__)
-        module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
-        if isinstance(module, str) and isinstance(qualname, str) and not getattr(
-                value, "__closure__", None) and _resolves_to(module, qualname, value):
-            return ("named", module, qualname)
+        found = qualified_name(value)
+        if found is not None:
+            return ("named", *found)
         self.pinned.append(value)
         return ("identity", type(value).__name__, id(value))
-
-
-def _resolves_to(module: str, qualname: str, value: Any) -> bool:
-    found: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    return found is value

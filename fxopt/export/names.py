@@ -22,6 +22,8 @@ import re
 import sys
 from typing import Any
 
+from fxopt.core.names import qualified_name
+
 from torch import fx
 
 from fxopt.core.errors import ExportError
@@ -71,27 +73,6 @@ def _copied_source(source: str, package: str) -> str:
             lines[node.lineno - 1] = line.replace(f"from .{node.module} import",
                                                   f"from .{stem} import", 1)
     return "".join(lines)
-
-
-def qualified_name(obj: Any) -> tuple[str, str] | None:
-    """(module, qualname) under which ``obj`` can be imported back, or None."""
-    module_name, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    candidates = [(module_name, qualname)] if module_name and qualname else []
-    name = getattr(obj, "__name__", None)
-    if name:  # builtins of torch's C extension often have no usable __module__
-        candidates += [("torch", name), ("torch.nn.functional", name)]
-    for module_name, qualname in candidates:
-        if module_name == "__main__" or "<locals>" in qualname:
-            continue
-        try:
-            target: Any = importlib.import_module(module_name)
-            for part in qualname.split("."):
-                target = getattr(target, part)
-        except (ImportError, AttributeError):
-            continue
-        if target is obj:
-            return module_name, qualname
-    return None
 
 
 class Imports:
