@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from device_mode import default_device_elsewhere
 from torch import fx, nn
 
 import fxopt
@@ -211,3 +212,16 @@ def test_a_remembered_prediction_is_the_measured_peak():
     gm = fxopt.optimize(model, x, memory_budget=0.6)
     assert gm.fxopt_report.predictions["remembered"] >= 1
     assert gm.fxopt_report.predicted_after.train_bytes == measure_train_step(gm, x).peak_bytes
+
+
+def test_remembered_on_another_default_device_in_bfloat16():
+    """What a GPU run meets, on the CPU: tensors made without a device go elsewhere (``meta``),
+    the model is in bfloat16. The memo still answers the report's last prediction, which is
+    still the measured peak, and nothing of the module leaves the CPU."""
+    model, x = small_cnn().to(torch.bfloat16), torch.randn(2, 3, 16, 16, dtype=torch.bfloat16)
+    with default_device_elsewhere():
+        gm = fxopt.optimize(model, x, memory_budget=0.5)
+    report = gm.fxopt_report
+    assert report.predictions["remembered"] >= 1 and report.verification.ok
+    assert report.predicted_after.train_bytes == measure_train_step(gm, x).peak_bytes
+    assert {t.device.type for t in gm.state_dict().values()} == {"cpu"}
