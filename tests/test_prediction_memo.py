@@ -14,12 +14,8 @@ import fxopt.analysis.estimate as estimate
 import fxopt.analysis.costmodel
 import fxopt.api
 from fxopt import models_zoo
-from fxopt.analysis.prediction_memo import (
-    PredictionCounts,
-    fingerprint,
-    predictions_remembered,
-    remembered,
-)
+from fxopt.analysis.prediction_memo import PredictionCounts, predictions_remembered, remembered
+from fxopt.core.fingerprint import fingerprint
 from fxopt.capture.trace import trace
 from fxopt.measure.peaks import measure_train_step
 from fxopt.runtime.regions import CheckpointedRegion
