@@ -93,6 +93,7 @@ if not any(type(f).__name__ == "_SourceLayout" for f in _sys.meta_path):
 _PUBLIC = {
     "estimate_peak": "fxopt.analysis", "max_batch_size": "fxopt.analysis",
     "optimize": "fxopt.api", "trace": "fxopt.capture.trace",
+    "capture_model": "fxopt.capture.reuse",
     "pretrained_checkpoints": "fxopt.integrations.hf_trainer",
     "TrainingSetup": "fxopt.core.training_setup",
     **dict.fromkeys(["BudgetError", "ConfigError", "EquivalenceError", "ExportError", "FxoptError",

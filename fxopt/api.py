@@ -19,8 +19,9 @@ import fxopt.passes as builtin_passes
 from fxopt.analysis.device_memory import measure_device_memory
 from fxopt.analysis.leaf_runs import measure_leaves
 from fxopt.analysis.prediction_memo import predictions_remembered
-from fxopt.capture.chain import capture as capture_model
+from fxopt.capture.chain import capture as capture_chain
 from fxopt.capture.chain import check_capture_option
+from fxopt.capture.reuse import reused_capture
 from fxopt.graph.meta import drop_autograd_history
 from fxopt.graph.train_eval import refuse_pickling
 from fxopt.core import meta_keys
@@ -64,6 +65,7 @@ def optimize(
     shard_blocks: bool = False,
     outputs: str = "all",
     check_budget: bool | None = None,
+    captured: fx.GraphModule | None = None,
 ) -> fx.GraphModule:
     """Return an optimized, verified GraphModule computing the same function as ``model``.
 
@@ -84,6 +86,11 @@ def optimize(
     ``capture``: the capture frontend (``fxopt.capture.chain``): "auto" (symbolic tracing when it
     captures the whole model, else torch.export, else tracing with opaque leaves), "fx" or
     "export". The report says which one captured the model and why the others did not.
+    ``captured``: a capture of ``model`` on these example inputs made by
+    ``fxopt.capture_model(model, example_inputs, ...)``, to start from instead of capturing
+    again (a budget sweep captures once). It is copied, never edited; a capture of another
+    model, of a model changed since, or of other inputs is refused with a ``ConfigError``
+    before any compute (``fxopt.capture.reuse``).
     ``leaf_modules``: submodule paths to keep as opaque calls, with either frontend. A leaf that
     reads tensor values (``if x.mean() > 0``, ``torch.where`` dispatch) is run for real on the
     example inputs and replays that run in every prediction, so peaks, plans and the report
@@ -146,7 +153,7 @@ def optimize(
                        dump_dir=dump_dir, registry=registry, capture=capture,
                        example_kwargs=example_kwargs, predict_memory=predict_memory,
                        fused_optimizer=fused_optimizer, shard_blocks=shard_blocks,
-                       outputs=outputs, check_budget=check_budget)
+                       outputs=outputs, check_budget=check_budget, captured=captured)
     tell_about_trainer_checkpoints(model)
     return gm
 
@@ -156,7 +163,7 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
               dump_dir: Any, registry: PassRegistry | None, capture: str,
               example_kwargs: dict[str, Any] | None, predict_memory: bool,
               fused_optimizer: FusedOptimizers, shard_blocks: bool, outputs: str,
-              check_budget: bool | None) -> fx.GraphModule:
+              check_budget: bool | None, captured: fx.GraphModule | None) -> fx.GraphModule:
     registry = builtin_passes.REGISTRY if registry is None else registry
     verify_mode = check_verify_mode(verify) if verify is not False else None
     fused_optimizers(fused_optimizer)  # refuse what is no FusedOptimizer before any work
@@ -175,7 +182,10 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
     clock = PhaseClock()
     with preserved_state(model), predictions_remembered() as predictions:
         with clock("capture"):
-            gm = capture_model(model, args, capture=capture, leaf_modules=leaf_modules)
+            gm = (capture_chain(model, args, capture=capture, leaf_modules=leaf_modules)
+                  if captured is None else reused_capture(captured, model, args,
+                                                          capture=capture,
+                                                          leaf_modules=leaf_modules))
             measure_leaves(gm, args)  # opaque leaves' memory on a real run, for the report
             # the module as captured: to blame a failed verification on capture or passes,
             # and to plan again when a real step lands over the budget

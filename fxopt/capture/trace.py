@@ -95,6 +95,8 @@ class TraceInfo:
     not_used: tuple[tuple[str, str], ...] = ()
     # one line per opaque leaf measured on a real run (fxopt.analysis.leaf_runs.leaf_lines)
     leaf_runs: tuple[str, ...] = ()
+    # True on a copy of a capture made once by fxopt.capture_model (fxopt.capture.reuse)
+    reused: bool = False
 
 
 class _FallbackTracer(fx.Tracer):

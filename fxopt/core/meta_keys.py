@@ -10,6 +10,9 @@ value holds; code uses the constants, never the strings.
   capture, read by the report, the leaf runs and the CLI.
 - ``EXPORT`` (``"fxopt_export"``): a ``fxopt.capture.export_frontend.ExportInfo`` on a module
   torch.export captured: which input sizes stayed dynamic.
+- ``CAPTURED`` (``"fxopt_captured"``): a ``fxopt.capture.reuse.CapturedFrom`` on what
+  ``fxopt.capture_model`` returns: the model and inputs it was made of, checked when
+  ``optimize(captured=...)`` reuses it; removed from the copy optimize works on.
 - ``BLOCKS`` (``"fxopt_blocks"``): what ``fxopt.rewrite.blocks`` kept as block calls, and the
   blocks left flat with why.
 
@@ -36,6 +39,7 @@ from torch import fx
 
 TRACE = "fxopt_trace"
 EXPORT = "fxopt_export"
+CAPTURED = "fxopt_captured"
 BLOCKS = "fxopt_blocks"
 PASS = "fxopt_pass"
 SAVED = "fxopt_saved"

@@ -83,6 +83,8 @@ class Report:
         lines = [f"fxopt report for {self.model}"]
         lines.append(f"  captured by {_FRONTENDS.get(self.trace.frontend, self.trace.frontend)} "
                      f"in {self.trace.seconds:.2f} s"
+                     + (" (by fxopt.capture_model, reused)" if getattr(self.trace, "reused", False)
+                        else "")
                      + (f"; {len(self.trace.leaves)} submodule(s) kept as opaque leaves:"
                         if self.trace.leaves else "; fully traced"))
         for leaf in self.trace.leaves:
