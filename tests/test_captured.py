@@ -23,7 +23,7 @@ from torch import fx, nn
 
 import fxopt
 import fxopt.passes as builtin_passes
-from device_mode import default_device_elsewhere
+from device_mode import default_device_elsewhere, graphs_of
 from fxopt import models_zoo
 from fxopt.core import meta_keys
 
@@ -66,6 +66,11 @@ def llama():
     return model, {"input_ids": ids, "labels": ids}
 
 
+def _graphs(module: nn.Module) -> list[tuple[str, str]]:
+    """Every graph the module runs (root, eval-mode graph, scoped and region bodies) as text."""
+    return [(where, str(graph)) for where, graph in graphs_of(module)]
+
+
 def _same_result(reused: fx.GraphModule, fresh: fx.GraphModule) -> None:
     assert reused.code == fresh.code
     for a, b in zip(reused.graph.nodes, fresh.graph.nodes):
@@ -86,10 +91,13 @@ def test_a_reused_export_capture_plans_as_a_fresh_one_and_keeps_its_sizes_dynami
     model, kwargs = llama()
     captured = fxopt.capture_model(model, (), example_kwargs=kwargs)
     assert captured.meta[meta_keys.TRACE].frontend == "export"
+    graphs = _graphs(captured)
     reused = fxopt.optimize(model, (), example_kwargs=kwargs, memory_budget="min",
                             passes=PASSES, captured=captured)
     fresh = fxopt.optimize(model, (), example_kwargs=kwargs, memory_budget="min", passes=PASSES)
     _same_result(reused, fresh)
+    assert _graphs(reused) == _graphs(fresh)
+    assert _graphs(captured) == graphs  # the capture's graphs, scoped bodies included, as made
     assert any(p.name == "checkpoint" and p.modified for p in reused.fxopt_report.passes)
     # the copy took a fraction of what capturing took
     assert reused.fxopt_report.seconds["capture"] < captured.meta[meta_keys.TRACE].seconds / 2
@@ -104,7 +112,7 @@ def test_one_capture_serves_a_budget_sweep_and_is_never_edited():
     model, inputs = models_zoo.build("unet", batch_size=2)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     captured = fxopt.capture_model(model, inputs)
-    code, nodes, meta = captured.code, len(captured.graph.nodes), dict(captured.meta)
+    graphs, meta = _graphs(captured), dict(captured.meta)
     for budget in (0.8, "min"):
         reused = fxopt.optimize(model, inputs, memory_budget=budget, passes=PASSES,
                                 captured=captured)
@@ -112,7 +120,7 @@ def test_one_capture_serves_a_budget_sweep_and_is_never_edited():
         _same_result(reused, fresh)
         assert [p is q for p, q in zip(reused.parameters(), model.parameters())] == [True] * len(
             list(model.parameters()))
-    assert (captured.code, len(captured.graph.nodes), captured.meta) == (code, nodes, meta)
+    assert (_graphs(captured), captured.meta) == (graphs, meta)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert model.training
 
