@@ -7,8 +7,8 @@
 
 For each model, at a training-sized input, and each budget (a fraction of activation memory, or
 ``min``: the smallest peak the pass can reach; by default six fractions evenly spaced from 1.0 to
-the least-memory plan's, then ``min``), it runs ``fxopt.optimize(memory_budget=...)`` and
-reports:
+the least-memory plan's, then ``min``), it runs ``fxopt.optimize(memory_budget=...)``, every
+budget from one capture (``fxopt.capture_model``), and reports:
 
 - ``budget`` and ``measured``: the budget in bytes and the peak of one training step measured by
   ``fxopt.measure`` (exact storage tracking on CPU, the caching allocator on CUDA), both including
@@ -48,6 +48,7 @@ from fxopt.api import optimize
 from fxopt.bench.environment import device_name
 from fxopt.bench.peers import build_peer
 from fxopt.bench.runs import train_peak_bytes
+from fxopt.capture.reuse import capture_model
 from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError
 from fxopt.measure.peaks import CUDA_METHOD, MemoryFigure, measure_train_step
@@ -87,9 +88,9 @@ class Point:
     note: str
 
 
-def smallest_budget(model, inputs) -> int:
+def smallest_budget(model, inputs, captured) -> int:
     try:
-        optimize(model, inputs, memory_budget=1, verify=False)
+        optimize(model, inputs, memory_budget=1, verify=False, captured=captured)
     except BudgetError as error:
         return error.smallest_bytes
     raise AssertionError("a 1-byte budget was met")
@@ -139,7 +140,8 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
               f"{act:>9}{ratio(original_act, point.act_bytes):>7}{time_x:>8}  "
               f"{'yes' if point.equal else 'NO':<6}{point.note}", flush=True)
 
-    smallest = smallest_budget(model, inputs)
+    captured = capture_model(model, inputs)  # one capture for every budget below
+    smallest = smallest_budget(model, inputs, captured)
     if fractions == ["auto"]:
         lowest = budget_fraction(smallest, peak=estimate.train_bytes, activations=activations)
         fractions = [f"{1 - (1 - lowest) * k / 6:.2f}" for k in range(6)] + ["min"]
@@ -149,7 +151,8 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
         started = time.perf_counter()
         try:
             try:
-                gm = optimize(model, inputs, memory_budget=budget, verify=not args.predict_only)
+                gm = optimize(model, inputs, memory_budget=budget, verify=not args.predict_only,
+                              captured=captured)
             except BudgetError as error:
                 # "min" is the least-memory plan: measured recompute times differ a little from
                 # one profile to the next, and with them which of several near-equal plans the
@@ -157,7 +160,8 @@ def run_model(name: str, fractions: list[str], args, device: torch.device
                 if fraction != "min" or error.smallest_bytes is None:
                     raise
                 budget = error.smallest_bytes
-                gm = optimize(model, inputs, memory_budget=budget, verify=not args.predict_only)
+                gm = optimize(model, inputs, memory_budget=budget, verify=not args.predict_only,
+                              captured=captured)
         except BudgetError as error:
             print(f"{'fxopt':<24}{fraction:>7}  infeasible: {str(error).splitlines()[0]}")
             continue

@@ -17,7 +17,8 @@ is computed inside forward. Rows, per model, all measured in this one process:
 - ``hf_gradient_checkpointing``: a second model built from the same seed (the first is never
   modified), then ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
   False})``: one checkpoint per decoder layer, HF's own recipe;
-- ``fxopt``: ``fxopt.optimize(model, (), example_kwargs=kw, memory_budget=B)`` for each budget B
+- ``fxopt``: ``fxopt.optimize(model, (), example_kwargs=kw, memory_budget=B)`` for each budget B,
+  all from one capture (``fxopt.capture_model``; each row's note gives its seconds apart)
   (a fraction of the unoptimized activation memory, see ``fxopt.planning.budget``; ``min``,
   passed as ``memory_budget="min"``, is the least-memory plan the pass finds). A ``BudgetError``
   is printed as ``infeasible``: that fraction is below what the pass can reach;
@@ -63,6 +64,7 @@ import transformers
 from torch import nn
 
 from fxopt.api import optimize
+from fxopt.capture.reuse import capture_model
 from fxopt.bench.environment import TeeOutput, device_name
 from fxopt.bench.peers import build_peer
 from fxopt.bench.runs import step_peak_bytes
@@ -212,12 +214,15 @@ def run_model(name: str, args, out: TeeOutput, failures: list[str]) -> list[Row]
                    "HF's own recipe (one checkpoint per layer, use_reentrant=False)", why]))))
     del hf
 
-    # fxopt at each budget, and its least-memory plan
+    # fxopt at each budget, and its least-memory plan, from one capture
     fractions = args.budgets.split(",")
+    started = time.perf_counter()
+    captured = capture_model(model, (), example_kwargs=kw)
+    capture_seconds = time.perf_counter() - started
     for fraction in fractions:
         started = time.perf_counter()
         try:
-            gm = optimize(model, (), example_kwargs=kw,
+            gm = optimize(model, (), example_kwargs=kw, captured=captured,
                           memory_budget="min" if fraction == "min" else float(fraction))
         except FxoptError as error:
             message = str(error).splitlines()[0]
@@ -230,7 +235,8 @@ def run_model(name: str, args, out: TeeOutput, failures: list[str]) -> list[Row]
         regions = stats.get("regions", [])
         selective = sum(1 for r in regions if r.mode == "selective")
         note = (f"{len(regions)} regions ({selective} selective), predicted "
-                f"{stats.get('predicted_after', 0) / MiB:.1f} MiB, optimize {seconds:.0f} s")
+                f"{stats.get('predicted_after', 0) / MiB:.1f} MiB, optimize {seconds:.0f} s "
+                f"from a capture of {capture_seconds:.0f} s made once")
         gm_step = step_peak_bytes(gm, inputs)
         ratio, spread = time_ratio(model, gm, inputs, args.repeats)
         if fraction == "min" and stats.get("predicted_after"):
