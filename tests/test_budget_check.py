@@ -7,6 +7,7 @@ over the budget in a real step, and the closing check must plan again until it d
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -96,3 +97,35 @@ def test_min_is_measured_and_the_check_is_off_on_the_cpu_by_default():
     assert check.measured_bytes == measure_train_step(slim, X).peak_bytes
     assert fxopt.optimize(model, X, memory_budget=0.5, verify=False).fxopt_report.budget_check \
         is None  # exact predictions on the CPU: nothing to check
+
+
+class DeepNorm(Deep):
+    """Deep with a BatchNorm per block: its forward depends on the training flag (a graph per
+    mode, and a deep copy that must carry the eval-mode graph's attributes)."""
+
+    def __init__(self, width: int = 64, depth: int = 6):
+        super().__init__(width, depth)
+        for block in self.layers:
+            block.insert(1, nn.BatchNorm1d(4 * width))
+
+
+def test_a_module_planned_again_copies_like_one_planned_once(monkeypatch):
+    """The closing check plans again from a structural copy of the capture: the module it
+    returns must deep-copy as any optimized module does, with its shard guard and a working
+    eval-mode graph (before the fix the copy lost both: fx gives a structural copy a class of
+    its own, without the special methods fxopt set on the capture's)."""
+    from fxopt.core.torch_private import forward_pre_hooks
+    from fxopt.integrations.fsdp import refuse_uncalled_shards
+
+    model = seeded(DeepNorm)
+    budget, activation = _budget(model)
+    _undercounting(monkeypatch, 2 * activation)
+    slim = fxopt.optimize(model, X, memory_budget=budget, check_budget=True, passes=ROOFLINE)
+    assert len(slim.fxopt_report.budget_check.rounds) >= 2  # planned again
+    copied = copy.deepcopy(slim)
+    assert forward_pre_hooks(copied).count(refuse_uncalled_shards) == 1
+    reference = copy.deepcopy(model)
+    for module in (copied, reference):
+        module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(copied(X), reference(X))

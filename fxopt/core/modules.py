@@ -111,11 +111,20 @@ def deepcopy_keeping_hooks(module: fx.GraphModule, memo: dict) -> fx.GraphModule
     for name in (*HOOK_DICTS, FULL_BACKWARD_HOOK_FLAG):
         if name in module.__dict__:
             copied.__dict__[name] = copy.deepcopy(module.__dict__[name], memo)
-    if type(copied) is not type(module):  # fx gave the copy a class of its own: the copy's
-        for name in _PER_INSTANCE_CLASS_METHODS:  # copies must keep what the class overrides
-            if name in vars(type(module)):
-                setattr(type(copied), name, vars(type(module))[name])
+    carry_instance_methods(module, copied)
     return copied
+
+
+def carry_instance_methods(source: fx.GraphModule, copied: fx.GraphModule) -> None:
+    """Give ``copied`` what ``set_instance_method`` set on ``source``'s own class: fx makes the
+    copy a class of its own, derived from GraphModule rather than from ``source``'s class, and
+    the copy's copies must keep what that class overrides (keeping hooks on a deep copy, the eval
+    graph's attributes, refusing pickling)."""
+    if type(copied) is type(source):
+        return
+    for name in _PER_INSTANCE_CLASS_METHODS:
+        if name in vars(type(source)):
+            setattr(type(copied), name, vars(type(source))[name])
 
 
 # What fxopt sets on a GraphModule's own class (``deepcopy_keeping_hooks``, the eval-mode
@@ -165,7 +174,8 @@ def structural_copy(model: nn.Module) -> nn.Module:
 
     GraphModule: each instance has a class of its own holding its generated ``forward``, so the
     copy is an instance of a new such class over the same base, with a node-by-node copy of the
-    graph (node ``meta`` copied shallowly) and its own ``meta`` dict; editing and recompiling the
+    graph (node ``meta`` copied shallowly) and its own ``meta`` dict, and the special methods
+    fxopt set on the original's class (``carry_instance_methods``); editing and recompiling the
     copy leaves the original as it was. A ``torch.compile``-d module (``module.compile()``) is
     copied uncompiled, as ``copy.copy`` and pickling do.
 
@@ -200,6 +210,7 @@ def structural_copy(model: nn.Module) -> nn.Module:
         new.__dict__.update(state)
         if isinstance(module, fx.GraphModule):
             new.graph = copy.deepcopy(module.graph)  # owned by the copy, which it recompiles
+            carry_instance_methods(module, new)
         return new
 
     return copy_module(model)
