@@ -1,5 +1,7 @@
 """trace(): leaf fallback, errors, meta on fake tensors, and the user's model left untouched."""
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -398,3 +400,41 @@ def test_a_users_code_under_a_folder_named_fxopt_is_still_the_users(tmp_path):
     assert info.value.where == (f'node lin (call_module lin) at File "{path}", line '
                                 f"{line['SHAPE']}, in forward: return self.lin(x).relu()  "
                                 "# SHAPE LINE")
+
+
+class ReadsItsTensors(nn.Module):
+    """Reads Parameters and buffers as attributes in forward, one Parameter at two paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight  # tied: fx names it by its first path
+        self.register_buffer("scale", torch.full((4,), 2.0))
+        self.inner = nn.Module()
+        self.inner.register_buffer("shift", torch.ones(4))
+
+    def forward(self, x):
+        y = F.linear(x, self.b.weight, self.b.bias) * self.scale
+        return y + self.inner.shift + self.a.weight.sum()
+
+
+def test_tensor_reads_are_the_get_attr_nodes_fx_makes_and_name_the_users_line():
+    """fxopt's tracer finds a read tensor by identity in an index instead of fx's walk of every
+    module per read: the same get_attr nodes (a tied Parameter by its first path) as torch.fx's
+    own tracer; each node's stack trace keeps the user's frame, as fx's does."""
+    model = ReadsItsTensors()
+    x = torch.randn(2, 4)
+    gm = trace(model, x)
+
+    class FxTracer(torch.fx.Tracer):
+        proxy_buffer_attributes = True
+
+    reference = torch.fx.Tracer.trace(FxTracer(), model)
+    targets = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    assert targets == [n.target for n in reference.nodes if n.op == "get_attr"]
+    assert targets == ["a.weight", "b.bias", "scale", "inner.shift"]  # one node per tensor
+    torch.testing.assert_close(gm(x), model(x))
+    mul = next(n for n in gm.graph.nodes if n.target is operator.mul)
+    assert mul.stack_trace.endswith("y = F.linear(x, self.b.weight, self.b.bias) * self.scale")
+    assert __file__ in mul.stack_trace and "site-packages" not in mul.stack_trace

@@ -37,16 +37,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import linecache
 import operator
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from fxopt.capture.leaf_recording import record_leaf_runs
 from fxopt.capture.trace_checks import (
     check_state_kept,
+    is_user_file,
     propagate_meta_explained,
     in_words,
     root_failure_hint,
@@ -115,7 +120,10 @@ class _FallbackTracer(fx.Tracer):
                                              embedding_rows, chunked_mlp, *CHUNKED_LOSS_CALLS))
         self.forced_leaves = forced_leaves
         self.hooked: dict[str, nn.Module] = {}  # path -> module made a leaf for its hooks
-        self.record_stack_traces = True
+        # Each node's stack trace is recorded by create_node below, not by fx (which formats
+        # every frame of every node's stack: a third of a large CNN's capture).
+        self.record_stack_traces = False
+        self._user_files: dict[str, bool] = {}
         # Buffers as graph values too (fx proxies only parameters by default): otherwise an
         # in-place update in forward (self.count.add_(1)) runs once, eagerly, on the user's
         # buffer while tracing, and is missing from the graph.
@@ -142,6 +150,65 @@ class _FallbackTracer(fx.Tracer):
             if not hasattr(error, "_fxopt_failed_module"):
                 error._fxopt_failed_module = self.path_of_module(m)  # type: ignore[attr-defined]
             raise
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
+                    type_expr: Any = None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if not node.stack_trace:
+            node.stack_trace = self._user_stack()
+        return node
+
+    def _user_stack(self) -> str | None:
+        """The user's frames (``is_user_file``: outside torch and fxopt) of the stack from the
+        outermost ``forward`` in, formatted as fx formats a recorded stack trace, or None. What
+        errors and lints read of a node's stack trace is its innermost user frame, which this
+        keeps, without fx's formatting of every other frame."""
+        frames = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            frames.append(frame)
+            frame = frame.f_back
+        outermost = next((i for i in range(len(frames) - 1, -1, -1)
+                          if frames[i].f_code.co_name == "forward"), None)
+        if outermost is None:
+            return None
+        kept = []
+        for frame in reversed(frames[:outermost + 1]):
+            path = frame.f_code.co_filename
+            if path not in self._user_files:
+                self._user_files[path] = is_user_file(path)
+            if self._user_files[path]:
+                kept.append((path, frame.f_lineno, frame.f_code.co_name,
+                             linecache.getline(path, frame.f_lineno).strip()))
+        return "".join(traceback.StackSummary.from_list(kept).format()).strip() or None
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        """fx's ``Tracer.getattr`` (a read of a Parameter, or of a buffer, becomes a ``get_attr``
+        node named by its first path), with the model's tensors found in an index by identity:
+        fx walks the whole module tree for every tensor read, quadratic in the model's size (24
+        of the 39 s timm's GhostNetV3 took to capture). A tensor the index does not hold (one
+        registered while forward runs) takes fx's own search."""
+        if not isinstance(attr_val, torch.Tensor) or self.param_shapes_constant:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        parameters, buffers = self._tensor_paths()
+        name = parameters.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None and self.proxy_buffer_attributes:
+            name = buffers.get(id(attr_val))
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def _tensor_paths(self) -> tuple[dict[int, str], dict[int, str]]:
+        """id -> first path of the root's Parameters and of its buffers, as fx's search finds
+        them (``named_parameters()``, ``named_buffers()``), built once per root."""
+        if getattr(self, "_paths_of", None) is not self.root:
+            self._paths_of = self.root
+            self._paths = tuple({id(t): name for name, t in named()}  # each tensor once
+                                for named in (self.root.named_parameters,
+                                              self.root.named_buffers))
+        return self._paths
 
     def _installed(self, m: nn.Module) -> bool:
         if not hasattr(self, "_module_ids"):
