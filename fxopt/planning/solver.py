@@ -91,6 +91,8 @@ class CheckpointProblem:
     # ``fxopt.analysis.node_timing.region_overhead``; these defaults are for hand-made problems.
     region_seconds: float = REGION_OVERHEAD_SECONDS
     saved_seconds: float = 0.0
+    # what every solve of this problem starts from, whatever its budget (``_prepared``)
+    _prepared: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def kept_without_checkpointing(self) -> int:
         return modelled_bytes(self, CheckpointPlan())
@@ -317,25 +319,13 @@ def _solve(problem: CheckpointProblem, budget: int, max_region_atoms: int, bucke
     started = time.perf_counter()
     if problem.kept_without_checkpointing() <= budget:
         return CheckpointPlan(kept_bytes=problem.kept_without_checkpointing())
-    starts = atom_starts(problem)
-    leaving = _arcs(problem, starts, max_region_atoms, modes)
-    produced, last = _lifetimes(problem, starts)
-    long_lived = {v for v in problem.value_bytes if v in produced
-                  and last.get(v, produced[v]) - produced[v] > _SHORT_LIVED_ATOMS}
+    starts, leaving, long_lived, pending, boundary_of = _prepared(problem, max_region_atoms,
+                                                                  modes)
     # The levels span what can be kept, not the whole budget: most of a budget can be the
     # backward floor (resnet152 at batch 1: 230 of 242 MB are parameter gradients), and levels
     # of budget / buckets were then too coarse to tell apart the plans that fit from those that
     # do not (a budget was refused while a lower one was met).
     unit = max(min(budget, _kept_bound(problem)), 1) / buckets
-    boundary_of = {pos: k for k, pos in enumerate(starts + [len(problem.nodes)])}
-
-    def pending_at(k: int) -> frozenset[str]:
-        live = [v for v, p in produced.items()
-                if p < k <= last.get(v, -1) and v not in long_lived]
-        live.sort(key=lambda v: -problem.value_bytes[v])
-        return frozenset(live[:_MAX_TRACKED_PENDING])
-
-    pending = [pending_at(k) for k in range(len(starts) + 1)]
     search = _Search(problem, pending, boundary_of, long_lived, unit, buckets, budget)
     search.open(0, frozenset()).cost[0] = 0.0
     for k, arcs in enumerate(leaving[:-1]):
@@ -363,6 +353,39 @@ def _solve(problem: CheckpointProblem, budget: int, max_region_atoms: int, bucke
     if plan is not None:
         plan.solve_seconds = time.perf_counter() - started
     return plan
+
+
+def _prepared(problem: CheckpointProblem, max_region_atoms: int, modes: tuple[str, ...]
+              ) -> tuple[list[int], list[list[_Arc]], set[str], list[frozenset[str]],
+                         dict[int, int]]:
+    """What a solve starts from whatever its budget: the atoms, the arcs leaving each boundary,
+    the long-lived values, the values tracked at each boundary, and each boundary's atom. A
+    search solves one problem a dozen times or more (the least-memory bisection, the re-solving
+    rounds), and the arcs are most of a solve (GhostNetV3's 4,301 nodes: about a second each):
+    kept on the problem, made again when any field the solver reads has changed since."""
+    key = (max_region_atoms, tuple(modes), problem.regions_across_blocks, problem.region_seconds,
+           problem.saved_seconds, tuple(map(id, problem.nodes)),
+           tuple(problem.value_bytes.items()))
+    found = problem._prepared.get(key)
+    if found is not None:
+        return found
+    starts = atom_starts(problem)
+    leaving = _arcs(problem, starts, max_region_atoms, modes)
+    produced, last = _lifetimes(problem, starts)
+    long_lived = {v for v in problem.value_bytes if v in produced
+                  and last.get(v, produced[v]) - produced[v] > _SHORT_LIVED_ATOMS}
+
+    def pending_at(k: int) -> frozenset[str]:
+        live = [v for v, p in produced.items()
+                if p < k <= last.get(v, -1) and v not in long_lived]
+        live.sort(key=lambda v: -problem.value_bytes[v])
+        return frozenset(live[:_MAX_TRACKED_PENDING])
+
+    pending = [pending_at(k) for k in range(len(starts) + 1)]
+    boundary_of = {pos: k for k, pos in enumerate(starts + [len(problem.nodes)])}
+    problem._prepared.clear()  # one entry: the problem's current state
+    problem._prepared[key] = found = (starts, leaving, long_lived, pending, boundary_of)
+    return found
 
 
 def _kept_bound(problem: CheckpointProblem) -> int:
