@@ -270,3 +270,33 @@ def test_per_saved_tensor_cost_counts_the_recomputed_nodes_saved_tensors():
     problem.saved_seconds = 1.0
     saved = sum(len(n.saved) + bool(n.internal_bytes) for n in problem.nodes[0:6])
     assert _arc(problem, 0, 6, FULL).seconds == pytest.approx(base + saved)
+
+
+def test_every_budget_solves_as_on_a_fresh_problem_and_an_edit_is_seen():
+    """What a solve starts from is made once per problem (``_prepared``): each budget's plan is
+    the one a fresh copy of the problem gives, and a problem edited between solves (a value's
+    size, the region cost) is planned as edited."""
+    import copy
+
+    def fresh(problem: CheckpointProblem) -> CheckpointProblem:
+        copied = copy.deepcopy(problem)
+        copied._prepared.clear()
+        return copied
+
+    problem = chain(8, random.Random(11))
+    top = problem.kept_without_checkpointing()
+    for budget in range(top // 4, top, top // 7):
+        plan = plan_checkpoints(problem, budget)
+        expected = plan_checkpoints(fresh(problem), budget)
+        assert (plan is None) == (expected is None)
+        if plan is not None:
+            assert plan.regions == expected.regions and plan.kept_bytes == expected.kept_bytes
+    assert len(problem._prepared) == 1
+    budget = top // 2
+    biggest = max(problem.value_bytes, key=problem.value_bytes.get)
+    problem.value_bytes[biggest] *= 4
+    edited = plan_checkpoints(problem, budget)
+    expected = plan_checkpoints(fresh(problem), budget)
+    assert (edited is None) == (expected is None)
+    if edited is not None:
+        assert edited.regions == expected.regions and edited.kept_bytes == expected.kept_bytes
