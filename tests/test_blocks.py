@@ -182,22 +182,3 @@ def test_a_block_that_cannot_be_one_call_stays_flat_with_its_reason():
     assert "feeds back" in info.flat[0][1]
     torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
 
-
-def test_a_structural_copy_keeps_its_eval_mode_graph_when_the_original_is_nested():
-    """keep_blocks edits a copy of the eval-mode graph: the graph in the mode dispatch is shared
-    with every structural copy (the capture optimize keeps to plan again after a budget check,
-    a capture reused by ``optimize(captured=...)``), which must keep the graph it was made with.
-    Before the fix the copy's eval-mode graph read the nested blocks of the original."""
-    from fxopt.core.modules import structural_copy
-    from fxopt.graph.train_eval import eval_graph
-
-    model, (args, kwargs), blocks = _llama()
-    gm = fxopt.capture_model(model, args, example_kwargs=kwargs)
-    assert eval_graph(gm) is not None  # Hugging Face reads self.training: a graph per mode
-    kept = structural_copy(gm)
-    before = str(eval_graph(kept))
-    assert keep_blocks(gm).modified
-    assert str(eval_graph(kept)) == before != str(eval_graph(gm))
-    kept.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(kept(*args, **kwargs)["logits"], model(*args, **kwargs).logits)

@@ -30,6 +30,7 @@ differs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 from collections.abc import Hashable
@@ -45,6 +46,7 @@ from fxopt.core.fingerprint import TooLarge, described
 from fxopt.core.inputs import check_inputs
 from fxopt.core.modules import structural_copy
 from fxopt.core.state import preserved_state
+from fxopt.graph.train_eval import eval_graph, replace_eval_graph
 
 _AGAIN = "capture it again with fxopt.capture_model(model, inputs), or leave captured= out"
 
@@ -114,6 +116,12 @@ def reused_capture(captured: Any, model: nn.Module, args: tuple, *, capture: str
         raise ConfigError(f"{name} changed since it was captured: {changed}", where=where,
                           hint=_AGAIN)
     gm = structural_copy(captured)
+    # A structural copy shares the eval-mode graph (it lives in the mode dispatch) and
+    # keep_blocks edits that graph in place: the copy gets its own, so the capture keeps its.
+    for module in gm.modules():
+        graph = eval_graph(module) if isinstance(module, fx.GraphModule) else None
+        if graph is not None:
+            replace_eval_graph(module, copy.deepcopy(graph))
     del gm.meta[meta_keys.CAPTURED]
     gm.meta[meta_keys.TRACE] = dataclasses.replace(captured.meta[meta_keys.TRACE], reused=True)
     return gm

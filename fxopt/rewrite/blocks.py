@@ -28,7 +28,6 @@ only one mode's graph can call.
 
 from __future__ import annotations
 
-import copy
 import operator
 from dataclasses import dataclass, field
 
@@ -80,11 +79,7 @@ class _Segment:
 def keep_blocks(gm: fx.GraphModule) -> PassResult:
     """Nest every repeated block of ``gm`` (and of its eval-mode graph) as a called submodule."""
     info = BlocksInfo()
-    # An edited copy, installed with replace_eval_graph: the graph in gm's mode dispatch is
-    # shared with every structural copy of gm (a capture kept for a budget check or reused by
-    # optimize(captured=...)), which must keep the eval-mode graph it was made with.
     eval_g = eval_graph(gm)
-    eval_g = copy.deepcopy(eval_g) if eval_g is not None else None
     nested = 0
     for path in _block_paths(gm, gm.graph):
         if _already_called(gm.graph, path):
