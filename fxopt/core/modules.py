@@ -176,7 +176,9 @@ def structural_copy(model: nn.Module) -> nn.Module:
     copy is an instance of a new such class over the same base, with a node-by-node copy of the
     graph (node ``meta`` copied shallowly) and its own ``meta`` dict, and the special methods
     fxopt set on the original's class (``carry_instance_methods``); editing and recompiling the
-    copy leaves the original as it was. A ``torch.compile``-d module (``module.compile()``) is
+    copy leaves the original as it was, except its eval-mode graph, which lives in the mode
+    dispatch and stays shared (``fxopt.capture.reuse`` gives a reused capture's copy its own;
+    ``keep_blocks`` edits it in place). A ``torch.compile``-d module (``module.compile()``) is
     copied uncompiled, as ``copy.copy`` and pickling do.
 
     An RNN's list of its weights (``_flat_weights``, which ``rnn.weight_ih_l0 = ...`` updates in
