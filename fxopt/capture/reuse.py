@@ -20,8 +20,9 @@ compute, ``reused_capture`` refuses, with a ``ConfigError`` that says to capture
   model's values at capture time, which training changes (``fxopt.graph.leaf_tape``).
 
 Each reuse works on a ``structural_copy`` of the capture (the user's Parameters shared, the graphs
-copied, the eval-mode graph too: a structural copy alone shares it), so the capture is never edited and serves any number of calls; ``optimize`` verifies the
-result against the model itself, as always.
+copied, the eval-mode graph too: a structural copy alone shares it), so the capture is never
+edited and serves any number of calls; ``optimize`` verifies the result against the model
+itself, as always.
 
 Not detected: a change of code behind a name (a method monkeypatched onto the model's class) and
 global state a forward reads. Verification (on by default) then fails, naming the tensor that
