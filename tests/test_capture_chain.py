@@ -88,6 +88,14 @@ def gpt_at_07(gpt):
     return fxopt.optimize(model, (idx,), memory_budget=0.7)
 
 
+@pytest.fixture(scope="module")
+def gpt_captured(gpt):
+    """One capture of the GPT for the tests that plan it several times (``captured=``): each
+    export capture is three torch.export traces, and ``gpt_at_07`` checks the chain itself."""
+    model, idx = gpt
+    return fxopt.capture_model(model, (idx,))
+
+
 def test_auto_captures_the_gpt_with_export_and_checkpoints_it(gpt_at_07):
     gm = gpt_at_07
     report = gm.fxopt_report
@@ -324,24 +332,26 @@ def test_an_export_captured_checkpointed_gpt_exports_as_a_folder_that_guards_its
                                   "idx.shape[1] in [2, inf]"), done.stdout
 
 
-def test_least_memory_plan_of_the_gpt_uses_no_more_than_any_fraction(gpt):
+def test_least_memory_plan_of_the_gpt_uses_no_more_than_any_fraction(gpt, gpt_captured):
     """'min' weighs the solver's least-memory plan against one region per block and keeps the
     lower prediction; measured, it holds no more than any fraction's plan."""
     model, idx = gpt
-    least = fxopt.optimize(model, (idx,), memory_budget="min")
+    least = fxopt.optimize(model, (idx,), memory_budget="min", captured=gpt_captured)
     assert least.fxopt_report.verification.ok
     peak = fxopt.measure_train_step(least, (idx,)).peak_bytes
     for fraction in (0.5, 0.3):
         try:
-            other = fxopt.optimize(model, (idx,), memory_budget=fraction, verify=False)
+            other = fxopt.optimize(model, (idx,), memory_budget=fraction, verify=False,
+                                   captured=gpt_captured)
         except fxopt.BudgetError:
             continue
         assert peak <= fxopt.measure_train_step(other, (idx,)).peak_bytes
 
 
-def test_torch_save_of_a_module_with_a_graph_per_mode_is_a_clear_error(gpt, tmp_path):
+def test_torch_save_of_a_module_with_a_graph_per_mode_is_a_clear_error(gpt, gpt_captured,
+                                                                       tmp_path):
     model, idx = gpt
-    gm = fxopt.optimize(model, (idx,))
+    gm = fxopt.optimize(model, (idx,), captured=gpt_captured)
     with pytest.raises(fxopt.ExportError, match="graph per training mode") as info:
         torch.save(gm, tmp_path / "gm.pt")
     assert "state_dict()" in info.value.hint and "fxopt.export" in info.value.hint

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxopt
@@ -86,8 +86,17 @@ def assert_same_step(got: tuple, expected: tuple, what: str) -> None:
 # -- item 3: sequence length and batch 1
 
 
+@pytest.fixture(scope="module")
+def captured_llama() -> tuple[nn.Module, fx.GraphModule]:
+    """A tiny Llama and one capture of it at (4, 64), which both budgets below plan from
+    (``captured=``): an export capture is three torch.export traces."""
+    model = tiny_llama()
+    example = padded_batch(4, 64, torch.Generator().manual_seed(0))
+    return model, fxopt.capture_model(model, (), example_kwargs=example)
+
+
 @pytest.mark.parametrize("budget", [None, "min"], ids=["default", "min"])
-def test_a_llama_trains_step_for_step_with_dynamic_padding(budget):
+def test_a_llama_trains_step_for_step_with_dynamic_padding(budget, captured_llama):
     """Optimized once at (4, 64); ten batches of random lengths in [17, 256], the last of one
     row: loss, every gradient and every parameter after the optimizer step equal the original's.
 
@@ -96,11 +105,12 @@ def test_a_llama_trains_step_for_step_with_dynamic_padding(budget):
     weight by 2 lr when the two models sum in other orders (the chunked loss under "min" does,
     with chunks the plan sizes): that tests rounding, not the function. tests/test_fsdp.py
     judges AdamW's parameters against a float64 reference instead."""
-    model = tiny_llama()
+    model, captured = captured_llama  # trained by the budget before: the same function still
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(0)
     example = padded_batch(4, 64, gen)
-    slim = fxopt.optimize(model, (), example_kwargs=example, memory_budget=budget)
+    slim = fxopt.optimize(model, (), example_kwargs=example, memory_budget=budget,
+                          captured=captured)
     assert slim.fxopt_report.trace.frontend == "export"
     info = slim.meta["fxopt_export"]
     assert {"input_ids.shape[0]", "input_ids.shape[1]", "labels.shape[1]"} <= set(info.dynamic)
