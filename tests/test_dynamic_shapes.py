@@ -218,6 +218,61 @@ def test_a_batch_of_one_treated_apart_only_in_eval_mode_is_refused_in_eval_mode(
     assert torch.equal(gm(x), model(x))
 
 
+class DropsNothing(nn.Module):
+    """``nn.Dropout(p)`` between two layers: at p 0 (the default of many models) the train-mode
+    trace records ``dropout(h, 0.0, True)`` and the eval-mode one ``dropout(h, 0.0, False)``,
+    both the input itself."""
+
+    def __init__(self, p: float, branch_in_eval: bool = False):
+        super().__init__()
+        self.lin1, self.drop, self.lin2 = nn.Linear(8, 8), nn.Dropout(p), nn.Linear(8, 8)
+        self.branch_in_eval = branch_in_eval
+
+    def forward(self, x):
+        h = self.lin2(self.drop(self.lin1(x)))
+        if self.branch_in_eval and not self.training and x.shape[0] == 1:
+            return h * 2
+        return h
+
+
+def exports_of(model: nn.Module, x: torch.Tensor, monkeypatch) -> tuple[fx.GraphModule, list]:
+    """``capture_with_export(model, (x,))`` and the batch size of each torch.export trace."""
+    batches, export = [], torch.export.export
+
+    def counted(module, args, *rest, **kwargs):
+        batches.append(args[0].shape[0])
+        return export(module, args, *rest, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counted)
+    return capture_with_export(model, (x,)), batches
+
+
+def test_a_dropout_that_drops_nothing_costs_no_second_trace_at_batch_one(monkeypatch):
+    """The eval-mode export equals the train-mode one but for a dropout that drops nothing, so
+    its batch of 1 is the train mode's, proven by the train mode's second trace: three traces,
+    not four. A dropout that drops something keeps eval's own second trace."""
+    x, one = torch.randn(4, 8), torch.randn(1, 8)
+    gm, batches = exports_of(DropsNothing(0.0), x, monkeypatch)
+    assert batches == [4, 4, 1] and gm.meta["fxopt_export"].batch_of_one
+    model = DropsNothing(0.1)
+    gm, batches = exports_of(model, x, monkeypatch)
+    assert batches == [4, 4, 1, 1] and gm.meta["fxopt_export"].batch_of_one
+    model.eval(), gm.eval()
+    with torch.no_grad():
+        assert torch.equal(gm(one), model(one))
+
+
+def test_an_eval_only_batch_branch_is_still_refused_behind_a_dropout_that_drops_nothing(
+        monkeypatch):
+    model, x, one = DropsNothing(0.0, branch_in_eval=True), torch.randn(4, 8), torch.randn(1, 8)
+    gm, batches = exports_of(model, x, monkeypatch)
+    assert batches == [4, 4, 1, 1]  # eval's size test leaves its mark: eval traced at 1 too
+    assert torch.equal(gm(one), model(one))
+    model.eval(), gm.eval()
+    with torch.no_grad(), pytest.raises(fxopt.InputError, match="treats a batch of 1 apart"):
+        gm(one)
+
+
 def test_guards_read_as_size_expressions():
     expr = parse_guard("((L['tensors'][1].size()[1]*L['tensors'][1].size()[0]) % "
                        "L['tensors'][0].size()[0]) == 0")

@@ -65,6 +65,11 @@ _VALUE_PRESERVING = frozenset({aten.contiguous.default})
 _SAME_SHAPE_IS_IDENTITY = frozenset({aten.view.default, aten.reshape.default, *UNSAFE_VIEW,
                                      aten.expand.default, aten.slice.Tensor,
                                      aten.alias.default})
+# Dropouts (input, p, train): ATen gives back the input itself, drawing no random number, when p
+# is 0 or train is False. ``nn.Dropout(0.0)``, the default of many models (timm's ViTs, MONAI's
+# transformers), records (x, 0.0, True) in train mode and (x, 0.0, False) in eval mode.
+_DROPOUTS = frozenset({aten.dropout.default, aten.feature_dropout.default,
+                       aten.alpha_dropout.default, aten.feature_alpha_dropout.default})
 
 
 @dataclass
@@ -370,11 +375,15 @@ def _over_inputs(value: Any, dims: dict[str, sympy.Expr]) -> Any:
 
 def _value_preserving(node: fx.Node, dims: dict[str, sympy.Expr]) -> bool:
     """Whether ``node`` gives back its input's values: ``aten.contiguous`` (a copy or not, as
-    its input needs), and a view, reshape, expand or slice to the shape its input has (for the
-    calls compared: ``dims`` read as they say). A trace records such operators only where it
-    does not know them to be no-ops."""
+    its input needs), a dropout that drops nothing (p 0, or not training), and a view, reshape,
+    expand or slice to the shape its input has (for the calls compared: ``dims`` read as they
+    say). Two traces of one forward may record such an operator in one and not the other, or
+    with other arguments, for the same computation."""
     if node.target in _VALUE_PRESERVING:
         return True
+    if node.target in _DROPOUTS:
+        p, train = (list(node.args[1:3]) + [None, None])[:2]
+        return p == 0 or train is False
     if node.target not in _SAME_SHAPE_IS_IDENTITY or not isinstance(node.args[0], fx.Node):
         return False
     out, given = node.meta.get("val"), node.args[0].meta.get("val")
