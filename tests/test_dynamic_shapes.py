@@ -244,7 +244,9 @@ def exports_of(model: nn.Module, x: torch.Tensor, monkeypatch) -> tuple[fx.Graph
         return export(module, args, *rest, **kwargs)
 
     monkeypatch.setattr(torch.export, "export", counted)
-    return capture_with_export(model, (x,)), batches
+    gm = capture_with_export(model, (x,))
+    assert gm.meta["fxopt_trace"].traces == gm.meta["fxopt_export"].traces == len(batches)
+    return gm, batches
 
 
 def test_a_dropout_that_drops_nothing_costs_no_second_trace_at_batch_one(monkeypatch):

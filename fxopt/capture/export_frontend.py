@@ -90,7 +90,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -153,6 +153,7 @@ class ExportInfo:
     static_reason: str | None = None
     batch_of_one: bool = False
     fallbacks: tuple[str, ...] = ()
+    traces: int = 0  # torch.export traces made, every attempt counted
 
 
 # How forward is exported, tried in order until one works: every dimension dynamic with sizes
@@ -214,9 +215,11 @@ class _Exported:
 
 
 def _export(shell: nn.Module, call: _Call, example: tuple, mode: str, training: bool,
-            fixed: frozenset = frozenset()) -> _Exported:
+            fixed: frozenset = frozenset(), traced: list[str] | None = None) -> _Exported:
     """Export forward in ``mode`` (``_MODES``), every dimension dynamic but those ``fixed``
-    ((leaf, dim) pairs)."""
+    ((leaf, dim) pairs); ``traced`` (when given) gets ``mode`` appended, one per trace."""
+    if traced is not None:
+        traced.append(mode)
     recorder = _Recorder()
     wrapper = _Flat(shell, call, recorder)
     shapes = None
@@ -478,11 +481,13 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     example = tuple(t.detach().clone() for t in example)
 
     shell = structural_copy(model)
+    traced: list[str] = []  # every torch.export trace, retries with more leaves included
     with preserved_state(model, shell):
         (exports, constraints, export_info), opaque, found = exported_keeping_leaves(
             shell, tuple(leaf_modules), lambda: _run_for_real(shell, call, example),
-            lambda: _export_modes(model, shell, call, example, leaf_names),
+            lambda: _export_modes(model, shell, call, example, leaf_names, traced),
             find_more=opaque_on_failure)
+        export_info = replace(export_info, traces=len(traced))
         placeholders = signature_placeholders(name, signature, given)
         attributes: dict[str, Any] = {}
         devices = tuple(t.device for t in example)
@@ -498,7 +503,7 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     for attr, value in attributes.items():
         if attr not in vars(gm):
             object.__setattr__(gm, attr, value)
-    info = TraceInfo(frontend="export", leaves=[
+    info = TraceInfo(frontend="export", traces=export_info.traces, leaves=[
         LeafFallback(path, type(shell.get_submodule(path)).__name__, why) for path, why in found])
     if not same_graph(graphs[0], graphs[1], gm):
         install_eval_graph(gm, graphs[1])
@@ -519,14 +524,16 @@ def _run_for_real(shell: nn.Module, call: _Call, example: tuple) -> None:
 
 
 def _export_modes(model: nn.Module, shell: nn.Module, call: _Call, example: tuple,
-                  leaf_names: list[str]) -> tuple[list[_Exported], list[Constraints], ExportInfo]:
+                  leaf_names: list[str], traced: list[str]
+                  ) -> tuple[list[_Exported], list[Constraints], ExportInfo]:
     """The train- and eval-mode exports in the first of ``_MODES`` that works, what each
-    serves (a batch of 1 added where a second trace allows it), and how it went."""
+    serves (a batch of 1 added where a second trace allows it), and how it went; each trace
+    is appended to ``traced``."""
     fallbacks: list[str] = []
     for mode in _MODES:
         done: list[_Exported] = []
         try:
-            exports, constraints, fixed = _export_both(shell, call, example, mode, done)
+            exports, constraints, fixed = _export_both(shell, call, example, mode, done, traced)
         except FxoptError:
             raise
         except Exception as error:  # torch.export raises many types; all become TraceError
@@ -543,7 +550,7 @@ def _export_modes(model: nn.Module, shell: nn.Module, call: _Call, example: tupl
     batch_of_one = False
     if mode == "oblivious":
         constraints, batch_of_one = _batch_of_one(shell, call, example, exports, constraints,
-                                                  fixed)
+                                                  fixed, traced)
     dynamic = tuple(f"{leaf}.shape[{d}]" for leaf, spec in zip(leaf_names, constraints[0].specs)
                     for d, size in enumerate(spec.dims) if isinstance(size, str))
     static_reason = fallbacks[-1].partition(": ")[2] if mode == "static" and fallbacks else None
@@ -551,8 +558,8 @@ def _export_modes(model: nn.Module, shell: nn.Module, call: _Call, example: tupl
                                             batch_of_one, tuple(fallbacks))
 
 
-def _export_both(shell: nn.Module, call: _Call, example: tuple, mode: str, done: list
-                 ) -> tuple[list[_Exported], list[Constraints], frozenset]:
+def _export_both(shell: nn.Module, call: _Call, example: tuple, mode: str, done: list,
+                 traced: list[str]) -> tuple[list[_Exported], list[Constraints], frozenset]:
     """The train- and eval-mode exports in ``mode`` and their constraints, with the dimensions
     fxopt cannot check fixed (exporting again with them fixed, at most twice); the train
     export comes first and is appended to ``done``."""
@@ -561,7 +568,7 @@ def _export_both(shell: nn.Module, call: _Call, example: tuple, mode: str, done:
         done.clear()
         constraints: list[Constraints] = []
         for training in (True, False):
-            exported = _export(shell, call, example, mode, training, fixed)
+            exported = _export(shell, call, example, mode, training, fixed, traced)
             done.append(exported)
             found = constraints_of(exported.program, example)
             if found is None and mode == "static":  # valid at the example's sizes regardless
@@ -584,7 +591,7 @@ def _fixed(exported: _Exported, example: tuple) -> Constraints:
 
 
 def _batch_of_one(shell: nn.Module, call: _Call, example: tuple, exports: list[_Exported],
-                  constraints: list[Constraints], fixed: frozenset
+                  constraints: list[Constraints], fixed: frozenset, traced: list[str]
                   ) -> tuple[list[Constraints], bool]:
     """Each mode's constraints with a batch of 1 added when forward, exported again with the
     batch dimensions cut to 1 (and the same dimensions ``fixed``), records the same graph
@@ -600,7 +607,7 @@ def _batch_of_one(shell: nn.Module, call: _Call, example: tuple, exports: list[_
             continue
         cut = cut_to_one(example, group)
         try:
-            at_one = _export(shell, call, cut, "oblivious", i == 0, fixed)
+            at_one = _export(shell, call, cut, "oblivious", i == 0, fixed, traced)
         except Exception as error:  # noqa: BLE001 - batch 1 is then refused, saying why
             why = (f"torch.export could not trace forward at a batch of 1: "
                    f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")

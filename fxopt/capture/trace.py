@@ -102,6 +102,9 @@ class TraceInfo:
     leaf_runs: tuple[str, ...] = ()
     # True on a copy of a capture made once by fxopt.capture_model (fxopt.capture.reuse)
     reused: bool = False
+    # times the frontend that made the graph traced forward (fx: train and eval mode per
+    # attempt; export: every torch.export trace); 0 where not counted
+    traces: int = 0
 
 
 class _FallbackTracer(fx.Tracer):
@@ -236,10 +239,11 @@ class _FallbackTracer(fx.Tracer):
 
 
 def _trace_both_modes(shell: nn.Module, forced: set[str], concrete: dict[str, Any],
-                      hooked: dict[str, nn.Module]) -> tuple[fx.Graph, fx.Graph]:
+                      hooked: dict[str, nn.Module], info: TraceInfo) -> tuple[fx.Graph, fx.Graph]:
     """Trace ``shell`` with every module in train mode, then in eval mode (flags restored).
 
-    ``hooked`` receives the modules kept as leaves for their hooks."""
+    ``hooked`` receives the modules kept as leaves for their hooks; ``info.traces`` counts the
+    traces."""
     flags = [(m, m.training) for m in shell.modules()]
     try:
         graphs = []
@@ -247,6 +251,7 @@ def _trace_both_modes(shell: nn.Module, forced: set[str], concrete: dict[str, An
             for training in (True, False):
                 shell.train(training)
                 tracer = _FallbackTracer(forced)
+                info.traces += 1
                 graphs.append(tracer.trace(shell, concrete_args=concrete or None))
                 hooked.update(tracer.hooked)
         return graphs[0], graphs[1]
@@ -271,7 +276,7 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
         shell = structural_copy(model)  # fresh each attempt: a failed trace leaves constants behind
         hooked: dict[str, nn.Module] = {}
         try:
-            graph, eval_graph = _trace_both_modes(shell, forced, concrete, hooked)
+            graph, eval_graph = _trace_both_modes(shell, forced, concrete, hooked, info)
             break
         except Exception as error:  # torch.fx raises many types; we re-raise all as TraceError
             path = getattr(error, "_fxopt_failed_module", "")

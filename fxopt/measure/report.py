@@ -81,8 +81,9 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"fxopt report for {self.model}"]
+        traces = getattr(self.trace, "traces", 0)
         lines.append(f"  captured by {_FRONTENDS.get(self.trace.frontend, self.trace.frontend)} "
-                     f"in {self.trace.seconds:.2f} s"
+                     f"in {f'{traces} traces, ' if traces else ''}{self.trace.seconds:.2f} s"
                      + (" (by fxopt.capture_model, reused)" if getattr(self.trace, "reused", False)
                         else "")
                      + (f"; {len(self.trace.leaves)} submodule(s) kept as opaque leaves:"
