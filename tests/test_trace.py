@@ -74,6 +74,13 @@ def test_leaf_fallback_innermost_first_and_outputs_equal():
     torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
 
 
+def test_the_traces_of_forward_are_counted_failed_ones_included():
+    """Each attempt traces train mode, then eval mode; one that fails in a submodule (which then
+    becomes a leaf) counts its one trace."""
+    assert trace(TwoLayerBlock(), (torch.randn(2, 4),)).meta["fxopt_trace"].traces == 2
+    assert trace(Net(), (torch.randn(3, 4),)).meta["fxopt_trace"].traces == 1 + 1 + 2
+
+
 def test_root_failure_raises_trace_error_with_where_and_hint():
     with pytest.raises(TraceError) as info:
         trace(RootFails(), torch.randn(2, 4))
