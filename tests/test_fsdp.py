@@ -15,12 +15,16 @@ then to the root, as torchtitan does, and delete the user's model object:
   ranks and every run get the same plan), sharded at the same block paths (the optimized graph
   calls its blocks, so FSDP2's hooks gather each block's parameters around that call);
 - ``fxopt_exact``: the same without the chunked loss and planned for one device
-  (``shard_blocks=False``), which must train bit for bit like ``plain``.
+  (``shard_blocks=False``), which must train bit for bit like ``plain``;
+- ``fxopt_reused``: ``fxopt_exact`` planned from one ``fxopt.capture_model`` capture
+  (``captured=``), the capture dropped with the model: bit for bit like ``plain`` too, and
+  holding no more.
 
 Each arm trains six AdamW steps on each rank's own batch, then runs an eval-mode forward; a
 float64 run of the same steps, unsharded, is the reference. Checked per rank:
 
-- ``fxopt_exact``'s losses (train and eval) and gathered parameters equal ``plain``'s bit for bit;
+- ``fxopt_exact``'s and ``fxopt_reused``'s losses (train and eval) and gathered parameters equal
+  ``plain``'s bit for bit;
 - ``fxopt``'s differ from ``plain``'s by float32 rounding only: at every step and for every
   parameter, its distance from the float64 run is at most ``ROUNDING_FACTOR`` times ``plain``'s
   own, plus a few float32 ulps (``test_fsdp2_trains_like_plain_up_to_float32_rounding``);
@@ -118,7 +122,8 @@ PASSES_WITH_LOSS = sorted([*PASSES, ("chunked_loss", {})],
 
 MODELS = {"gpt": (gpt, [f"blocks.{i}" for i in range(2)]),
           "llama": (llama, [f"model.layers.{i}" for i in range(2)])}
-ARMS = ("plain", "checkpointed", "fxopt", "fxopt_exact")
+ARMS = ("plain", "checkpointed", "fxopt", "fxopt_exact", "fxopt_reused")
+EXACT_ARMS = ("fxopt_exact", "fxopt_reused")  # must train bit for bit like plain
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
@@ -143,12 +148,14 @@ def build(kind: str, arm: str) -> tuple[torch.nn.Module, torch.nn.Module]:
             parent, _, name = path.rpartition(".")
             model.get_submodule(parent)._modules[name] = checkpoint_wrapper(
                 model.get_submodule(path))
-    elif arm in ("fxopt", "fxopt_exact"):
+    elif arm.startswith("fxopt"):
         ids = batch(0, 0)
         example = ((), {"input_ids": ids, "labels": ids}) if kind == "llama" else ((ids, ids), None)
+        captured = (fxopt.capture_model(model, example[0], example_kwargs=example[1])
+                    if arm == "fxopt_reused" else None)
         optimized = fxopt.optimize(model, example[0], example_kwargs=example[1],
                                    memory_budget="min", verify=False,
-                                   shard_blocks=arm == "fxopt",
+                                   shard_blocks=arm == "fxopt", captured=captured,
                                    passes=PASSES_WITH_LOSS if arm == "fxopt" else PASSES)
         if arm == "fxopt":  # the root's FSDP2 group gathers the head the chunked loss reads
             assert any(r.name == "chunked_loss" and r.modified
@@ -281,12 +288,15 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         figures = {}
         for kind in MODELS:
             runs = {arm: train(kind, arm, rank) for arm in ARMS}
-            plain, exact = runs["plain"], runs["fxopt_exact"]
-            assert exact["losses"] == plain["losses"], (kind, rank, exact["losses"],
-                                                        plain["losses"])
-            assert list(exact["state"]) == list(plain["state"]) == list(runs["fxopt"]["state"])
-            for key, value in plain["state"].items():
-                assert torch.equal(exact["state"][key], value), (kind, key)
+            plain = runs["plain"]
+            assert list(plain["state"]) == list(runs["fxopt"]["state"])
+            for arm in EXACT_ARMS:
+                exact = runs[arm]
+                assert exact["losses"] == plain["losses"], (kind, arm, rank, exact["losses"],
+                                                            plain["losses"])
+                assert list(exact["state"]) == list(plain["state"])
+                for key, value in plain["state"].items():
+                    assert torch.equal(exact["state"][key], value), (kind, arm, key)
             figures[kind] = {
                 "arms": {arm: {k: run[k] for k in ("peak", "resident", "left_behind", "peaks")}
                          for arm, run in runs.items()},
@@ -303,8 +313,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def figures(tmp_path_factory) -> dict:
-    """Each rank's figures per model, after the workers checked that ``fxopt_exact`` trains
-    exactly like ``plain`` and that sharded models are refused."""
+    """Each rank's figures per model, after the workers checked that ``fxopt_exact`` and
+    ``fxopt_reused`` train exactly like ``plain`` and that sharded models are refused."""
     tmp = tmp_path_factory.mktemp("fsdp")
     mp.spawn(_worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=True)
     return {rank: json.loads(Path(tmp, f"rank{rank}.json").read_text()) for rank in range(WORLD)}
@@ -317,7 +327,7 @@ def test_fsdp2_per_block_holds_no_more_than_plain(figures, kind):
     or without ``shard_blocks``; and once the sharded model is deleted nothing of it remains."""
     for rank in range(WORLD):
         arms = figures[rank][kind]["arms"]
-        for arm in ("fxopt", "fxopt_exact"):
+        for arm in ("fxopt", *EXACT_ARMS):
             assert arms[arm]["peak"] < arms["plain"]["peak"], (arm, arms)
             assert arms[arm]["resident"] <= arms["plain"]["resident"] + RESIDENT_EXTRA_BYTES, (
                 arm, arms)
