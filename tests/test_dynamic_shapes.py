@@ -275,6 +275,24 @@ def test_an_eval_only_batch_branch_is_still_refused_behind_a_dropout_that_drops_
         gm(one)
 
 
+def test_an_export_captured_llama_has_one_graph_and_refuses_torch_save_saying_why(tmp_path):
+    """The train- and eval-mode exports of a Llama without dropout differ only in the names of
+    their higher-order operators' bodies (``submod_1`` vs ``submod_2``), compared by graph:
+    one graph serves both modes. torch.fx's pickling would re-trace the code without those
+    bodies (plain attributes; the load failed with a NameError), so torch.save is a clear
+    ExportError."""
+    model = tiny_llama()
+    batch = padded_batch(2, 16, torch.Generator().manual_seed(0))
+    slim = fxopt.optimize(model, (), example_kwargs=batch)
+    assert not slim.fxopt_report.trace.mode_dependent
+    with pytest.raises(fxopt.ExportError, match="higher-order operators") as info:
+        torch.save(slim, tmp_path / "slim.pt")
+    assert "state_dict()" in info.value.hint and "fxopt.export" in info.value.hint
+    slim.eval(), model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(slim(**batch).logits, model(**batch).logits, rtol=0, atol=0)
+
+
 def test_guards_read_as_size_expressions():
     expr = parse_guard("((L['tensors'][1].size()[1]*L['tensors'][1].size()[0]) % "
                        "L['tensors'][0].size()[0]) == 0")

@@ -128,7 +128,8 @@ from fxopt.capture.trace_checks import (
     user_checkpoints_refused,
     user_frame,
 )
-from fxopt.graph.train_eval import eval_module_on, install_eval_graph, same_graph
+from fxopt.graph.train_eval import (eval_module_on, install_eval_graph, refuse_pickling,
+                                    same_graph)
 from fxopt.core import meta_keys
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy
@@ -514,6 +515,7 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     info.seconds = time.perf_counter() - start
     gm.meta[meta_keys.TRACE] = info
     gm.meta[meta_keys.EXPORT] = export_info
+    refuse_pickling(gm)
     return gm
 
 

@@ -49,6 +49,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 
 from fxopt.core.torch_private import UNSAFE_VIEW, export_guards
+from fxopt.graph.train_eval import drops_nothing
 from fxopt.runtime.input_guard import TensorSpec, evaluate, reads
 
 aten = torch.ops.aten
@@ -65,11 +66,6 @@ _VALUE_PRESERVING = frozenset({aten.contiguous.default})
 _SAME_SHAPE_IS_IDENTITY = frozenset({aten.view.default, aten.reshape.default, *UNSAFE_VIEW,
                                      aten.expand.default, aten.slice.Tensor,
                                      aten.alias.default})
-# Dropouts (input, p, train): ATen gives back the input itself, drawing no random number, when p
-# is 0 or train is False. ``nn.Dropout(0.0)``, the default of many models (timm's ViTs, MONAI's
-# transformers), records (x, 0.0, True) in train mode and (x, 0.0, False) in eval mode.
-_DROPOUTS = frozenset({aten.dropout.default, aten.feature_dropout.default,
-                       aten.alpha_dropout.default, aten.feature_alpha_dropout.default})
 
 
 @dataclass
@@ -381,9 +377,8 @@ def _value_preserving(node: fx.Node, dims: dict[str, sympy.Expr]) -> bool:
     with other arguments, for the same computation."""
     if node.target in _VALUE_PRESERVING:
         return True
-    if node.target in _DROPOUTS:
-        p, train = (list(node.args[1:3]) + [None, None])[:2]
-        return p == 0 or train is False
+    if drops_nothing(node):
+        return True
     if node.target not in _SAME_SHAPE_IS_IDENTITY or not isinstance(node.args[0], fx.Node):
         return False
     out, given = node.meta.get("val"), node.args[0].meta.get("val")

@@ -25,11 +25,12 @@ with every module in train mode.
 from __future__ import annotations
 
 import copy
+import inspect
 import operator
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from fxopt.core.errors import ExportError, TraceError
 from fxopt.core.modules import code_only_module, deepcopy_keeping_hooks, set_instance_method
@@ -63,19 +64,66 @@ class ModeDispatchCodeGen(CodeGen):
         return f"{head}\n    if not self.training:\n        return {call}"
 
 
+# Dropouts whose result is their input when p is 0 or training is off, as ATen operators
+# (input, p, train) and as torch.nn.functional calls (input, p, training, inplace).
+_ATEN_DROPOUTS = frozenset({torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
+                            torch.ops.aten.alpha_dropout.default,
+                            torch.ops.aten.feature_alpha_dropout.default})
+_FUNCTIONAL_DROPOUTS = frozenset({torch.nn.functional.dropout, torch.nn.functional.dropout1d,
+                                  torch.nn.functional.dropout2d, torch.nn.functional.dropout3d,
+                                  torch.nn.functional.alpha_dropout,
+                                  torch.nn.functional.feature_alpha_dropout})
+
+
+def drops_nothing(node: fx.Node) -> bool:
+    """Whether ``node`` is a dropout that gives back its input's values: p 0 or training off.
+
+    ATen's dropouts then return the input itself without drawing a random number, in either
+    training mode, so ``nn.Dropout(0.0)`` traced in train mode (``dropout(x, 0.0, True)``) and
+    in eval mode (``dropout(x, 0.0, False)``) is one computation."""
+    if node.op != "call_function":
+        return False
+    if node.target in _ATEN_DROPOUTS:
+        if len(node.args) != 3 or node.kwargs:
+            return False
+        p, train = node.args[1:]
+    elif node.target in _FUNCTIONAL_DROPOUTS:
+        try:
+            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+        except TypeError:
+            return False
+        bound.apply_defaults()
+        p, train = bound.arguments["p"], bound.arguments["training"]
+    else:
+        return False
+    return (isinstance(p, (int, float)) and p == 0) or train is False
+
+
 def same_graph(a: fx.Graph, b: fx.Graph, root: torch.nn.Module) -> bool:
     """Whether two traces of one module recorded the same computation.
 
-    Tracer-made constants (``_tensor_constant0`` vs ``_tensor_constant1``) compare by value.
+    Tracer-made constants (``_tensor_constant0`` vs ``_tensor_constant1``) compare by value,
+    the bodies of higher-order operators (torch.export's ``submod_1`` vs ``submod_2``) by their
+    graphs, and two dropouts that drop nothing (``drops_nothing``) by their input alone.
     """
+    return _same_graph_in(a, b, root, root)
+
+
+def _same_graph_in(a: fx.Graph, b: fx.Graph, root_a: torch.nn.Module,
+                   root_b: torch.nn.Module) -> bool:
+    """``same_graph`` for graphs whose attributes live on two modules (two bodies)."""
     nodes_a, nodes_b = list(a.nodes), list(b.nodes)
     if len(nodes_a) != len(nodes_b):
         return False
     index = {}
     for i, (x, y) in enumerate(zip(nodes_a, nodes_b)):
         index[x], index[y] = i, i
-        if x.op != y.op or not _same_target(x, y, root):
+        if x.op != y.op or not _same_target(x, y, root_a, root_b):
             return False
+        if drops_nothing(x) and drops_nothing(y):
+            if index.get(x.args[0], x.args[0]) != index.get(y.args[0], y.args[0]):
+                return False
+            continue
         mapped = [fx.node.map_arg((n.args, n.kwargs), lambda m: ("node", index[m]))
                   for n in (x, y)]
         try:
@@ -86,15 +134,18 @@ def same_graph(a: fx.Graph, b: fx.Graph, root: torch.nn.Module) -> bool:
     return True
 
 
-def _same_target(x: fx.Node, y: fx.Node, root: torch.nn.Module) -> bool:
-    if x.target == y.target:
-        return True
+def _same_target(x: fx.Node, y: fx.Node, root_a: torch.nn.Module,
+                 root_b: torch.nn.Module) -> bool:
     if x.op != "get_attr":
-        return False
+        return x.target == y.target
     try:
-        values = [operator.attrgetter(n.target)(root) for n in (x, y)]
+        values = [operator.attrgetter(x.target)(root_a), operator.attrgetter(y.target)(root_b)]
     except AttributeError:
         return False
+    if all(isinstance(v, fx.GraphModule) for v in values):
+        return _same_graph_in(values[0].graph, values[1].graph, *values)
+    if x.target == y.target and root_a is root_b:
+        return True
     return (all(isinstance(v, torch.Tensor) for v in values)
             and values[0].shape == values[1].shape and values[0].dtype == values[1].dtype
             and bool(torch.equal(values[0], values[1])))
@@ -138,17 +189,38 @@ def _deepcopy_with_eval_attributes(self: fx.GraphModule, memo: dict) -> fx.Graph
 
 
 def refuse_pickling(gm: fx.GraphModule) -> None:
-    """Make ``torch.save(gm)`` / ``pickle.dumps(gm)`` of a module with a graph per training mode
-    raise ``ExportError``: torch.fx pickles the generated code and re-traces it on load, following
-    only the train-mode path. ``gm``'s class is its own (torch.fx makes one per instance)."""
-    if has_eval_graph(gm):
+    """Make ``torch.save(gm)`` / ``pickle.dumps(gm)`` raise ``ExportError`` where torch.fx's
+    pickling would lose part of the module: it pickles the generated code and the registered
+    submodules and re-traces the code on load, so it follows only the train-mode path of a module
+    with a graph per training mode, and drops the bodies of torch.export's higher-order
+    operators (plain attributes the graph reads). ``gm``'s class is its own (torch.fx makes one
+    per instance)."""
+    if has_eval_graph(gm) or _reads_unregistered_modules(gm):
         set_instance_method(gm, "__reduce__", _refuse_reduce)
 
 
+def _reads_unregistered_modules(gm: fx.GraphModule) -> bool:
+    """Whether a graph of ``gm`` reads a module held as a plain attribute, not a submodule."""
+    for module in gm.modules():
+        for node in module.graph.find_nodes(op="get_attr") if isinstance(
+                module, fx.GraphModule) else ():
+            owner_path, _, name = node.target.rpartition(".")
+            try:
+                owner = module.get_submodule(owner_path)
+            except AttributeError:
+                continue
+            if isinstance(getattr(owner, name, None), nn.Module) and name not in owner._modules:
+                return True
+    return False
+
+
 def _refuse_reduce(self: fx.GraphModule) -> Any:
+    why = ("has a graph per training mode, which torch.save cannot keep (torch.fx re-traces one "
+           "path of the code when loading)" if has_eval_graph(self) else
+           "calls the bodies of torch.export's higher-order operators, which torch.save cannot "
+           "keep (torch.fx re-traces the generated code when loading, without them)")
     raise ExportError(
-        f"{type(self).__name__} has a graph per training mode, which torch.save cannot keep "
-        "(torch.fx re-traces one path of the code when loading)",
+        f"{type(self).__name__} {why}",
         where="torch.save / pickle",
         hint="save module.state_dict() and load it into a newly optimized model, or write a "
              "folder that loads with torch alone: fxopt.export.export(module, 'out_dir')")
