@@ -209,7 +209,7 @@ def _reads_unregistered_modules(gm: fx.GraphModule) -> bool:
                 owner = module.get_submodule(owner_path)
             except AttributeError:
                 continue
-            if isinstance(getattr(owner, name, None), nn.Module) and name not in owner._modules:
+            if isinstance(vars(owner).get(name), nn.Module):  # not a registered submodule
                 return True
     return False
 
