@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import pickle
 import subprocess
 import sys
@@ -294,6 +295,31 @@ def test_an_export_captured_module_pickles_with_its_input_guard(tmp_path):
     torch.testing.assert_close(loaded(other), gm(other), rtol=0, atol=0)
     with pytest.raises(fxopt.InputError, match=f"x.shape\\[2\\] == {WIDTH} only"):
         loaded(torch.randn(2, 5, WIDTH + 1))
+
+
+class ReturnsAPair(nn.Module):
+    """RootMask's forward, its output in a namedtuple, as many models return theirs."""
+
+    Pair = collections.namedtuple("Pair", "out total")
+
+    def __init__(self):
+        super().__init__()
+        self.inner = RootMask()
+
+    def forward(self, x: torch.Tensor):
+        out = self.inner(x)
+        return self.Pair(out, out.sum())
+
+
+def test_an_export_captured_module_that_rebuilds_its_output_class_refuses_torch_save(tmp_path):
+    """torch.fx's pickling re-traces the code on load, and the namedtuple (a Hugging Face
+    ModelOutput alike) would come back a plain tuple: a clear ExportError instead."""
+    x = torch.randn(2, 5, WIDTH)
+    gm = fxopt.optimize(ReturnsAPair(), (x,))
+    assert gm.fxopt_report.trace.frontend == "export" and type(gm(x)).__name__ == "Pair"
+    with pytest.raises(fxopt.ExportError, match="output's classes") as info:
+        torch.save(gm, tmp_path / "gm.pt")
+    assert "state_dict()" in info.value.hint
 
 
 def test_an_export_captured_checkpointed_gpt_exports_as_a_folder_that_guards_its_inputs(

@@ -193,10 +193,18 @@ def refuse_pickling(gm: fx.GraphModule) -> None:
     pickling would lose part of the module: it pickles the generated code and the registered
     submodules and re-traces the code on load, so it follows only the train-mode path of a module
     with a graph per training mode, and drops the bodies of torch.export's higher-order
-    operators (plain attributes the graph reads). ``gm``'s class is its own (torch.fx makes one
-    per instance)."""
-    if has_eval_graph(gm) or _reads_unregistered_modules(gm):
+    operators (plain attributes the graph reads) and the classes of the outputs it rebuilds.
+    ``gm``'s class is its own (torch.fx makes one per instance)."""
+    if has_eval_graph(gm) or _reads_unregistered_modules(gm) or _builds_containers(gm):
         set_instance_method(gm, "__reduce__", _refuse_reduce)
+
+
+def _builds_containers(gm: fx.GraphModule) -> bool:
+    """Whether ``gm``'s graph calls a class (torch.export captures rebuild a Hugging Face
+    ``ModelOutput`` or a namedtuple so): torch.fx's re-trace on load runs the constructor on
+    proxies and records a plain dict or tuple in its place."""
+    return any(node.op == "call_function" and isinstance(node.target, type)
+               for node in gm.graph.nodes)
 
 
 def _reads_unregistered_modules(gm: fx.GraphModule) -> bool:
@@ -218,7 +226,10 @@ def _refuse_reduce(self: fx.GraphModule) -> Any:
     why = ("has a graph per training mode, which torch.save cannot keep (torch.fx re-traces one "
            "path of the code when loading)" if has_eval_graph(self) else
            "calls the bodies of torch.export's higher-order operators, which torch.save cannot "
-           "keep (torch.fx re-traces the generated code when loading, without them)")
+           "keep (torch.fx re-traces the generated code when loading, without them)"
+           if _reads_unregistered_modules(self) else
+           "rebuilds its output's classes in its graph, which torch.save cannot keep (torch.fx "
+           "re-traces the generated code when loading and returns plain dicts and tuples)")
     raise ExportError(
         f"{type(self).__name__} {why}",
         where="torch.save / pickle",
