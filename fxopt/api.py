@@ -23,7 +23,7 @@ from fxopt.capture.chain import capture as capture_chain
 from fxopt.capture.chain import check_capture_option
 from fxopt.capture.reuse import reused_capture
 from fxopt.graph.meta import drop_autograd_history
-from fxopt.graph.train_eval import refuse_pickling
+from fxopt.graph.pickling import refuse_pickling
 from fxopt.core import meta_keys
 from fxopt.core.errors import BudgetError, EquivalenceError, InputError
 from fxopt.core.graphs import placeholder_values

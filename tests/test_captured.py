@@ -206,3 +206,20 @@ def test_reused_with_the_default_device_elsewhere_in_bfloat16():
         reused = fxopt.optimize(model, x, memory_budget="min", captured=captured)
     assert reused.fxopt_report.verification.ok and reused.fxopt_report.trace.reused
     assert {t.device.type for t in [*reused.parameters(), *reused.buffers()]} == {"cpu"}
+
+
+def test_a_capture_refuses_torch_save_and_a_deep_copy_still_names_its_model():
+    """A capture names its model object (a weak reference), which a file cannot: torch.save says
+    so in an ExportError instead of torch's TypeError about a weakref. A deep copy keeps naming
+    the model, and its Parameters are copies, so reusing it is refused as another model's."""
+    import io
+
+    model, x = counted()
+    captured = fxopt.capture_model(model, x)
+    with pytest.raises(fxopt.ExportError) as caught:
+        torch.save(captured, io.BytesIO())
+    assert "Counted object" in caught.value.what and "state_dict()" in caught.value.hint
+    copied = copy.deepcopy(captured)
+    assert copied.meta[meta_keys.CAPTURED].model() is model
+    with pytest.raises(fxopt.ConfigError, match="is another object"):
+        fxopt.optimize(model, x, captured=copied)

@@ -241,28 +241,30 @@ def test_mode_dependent_forward_keeps_an_eval_graph():
 
 
 class DropsWhatItIsTold(nn.Module):
-    """``F.dropout(y, self.p, self.training)``: fx records the flag as a constant of each trace."""
+    """``F.dropout(y, self.p, self.training)`` (or ``torch.dropout``, its namespace spelling): fx
+    records the flag as a constant of each trace."""
 
-    def __init__(self, p: float):
+    def __init__(self, p: float, dropout=F.dropout):
         super().__init__()
-        self.lin, self.p = nn.Linear(4, 4), p
+        self.lin, self.p, self.dropout = nn.Linear(4, 4), p, dropout
 
     def forward(self, x):
-        return F.dropout(self.lin(x), self.p, self.training)
+        return self.dropout(self.lin(x), self.p, self.training)
 
 
-def test_a_dropout_of_p_0_does_not_make_a_model_mode_dependent():
+@pytest.mark.parametrize("dropout", [F.dropout, torch.dropout], ids=["F.dropout", "torch.dropout"])
+def test_a_dropout_of_p_0_does_not_make_a_model_mode_dependent(dropout):
     """dropout(y, 0.0, True) and dropout(y, 0.0, False) both give back y: one graph serves
     both modes. At p 0.5 they differ, and the eval-mode graph stays."""
     from fxopt.graph.train_eval import has_eval_graph
 
     x = torch.randn(3, 4)
-    model = DropsWhatItIsTold(0.0)
+    model = DropsWhatItIsTold(0.0, dropout)
     gm = trace(model, x)
     assert not gm.meta["fxopt_trace"].mode_dependent and not has_eval_graph(gm)
     gm.eval(), model.eval()
     torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
-    assert trace(DropsWhatItIsTold(0.5), x).meta["fxopt_trace"].mode_dependent
+    assert trace(DropsWhatItIsTold(0.5, dropout), x).meta["fxopt_trace"].mode_dependent
 
 
 def test_tracer_constants_do_not_make_a_model_mode_dependent():

@@ -3,10 +3,10 @@ moves nodes.
 
 Two runs of a graph consume random numbers in the same order only if every RNG consumer keeps its
 place relative to the others, so schedulers treat these nodes as ordered side effects. Covered:
-torch's random factories and samplers, every functional dropout (``dropout``, ``dropout1d``,
-``dropout2d``, ``dropout3d``, ``alpha_dropout``, ``feature_alpha_dropout``), ``rrelu``, the
-in-place samplers of a tensor (``x.uniform_()``, ``x.bernoulli_()``, ...), the same operations as
-ATen ops (graphs captured by torch.export), and random modules (``nn.Dropout*``, ``nn.RReLU``).
+torch's random factories and samplers, every dropout in every spelling (``fxopt.core.dropouts``),
+``rrelu``, the in-place samplers of a tensor (``x.uniform_()``, ``x.bernoulli_()``, ...), the same
+operations as ATen ops (graphs captured by torch.export), and random modules (``nn.Dropout*``,
+``nn.RReLU``).
 
 Not covered: an opaque leaf module or a user function that draws random numbers internally;
 schedulers already treat every module they do not know as a side effect.
@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fxopt.core.dropouts import ATEN_DROPOUTS, DROPOUT_MODULES, FUNCTIONAL_DROPOUTS, TORCH_DROPOUTS
+
 RANDOM_FUNCTIONS = frozenset({
     torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.multinomial,
     torch.normal, torch.poisson, torch.rand_like, torch.randn_like, torch.randint_like,
-    torch.dropout, torch.alpha_dropout, torch.feature_alpha_dropout, torch.rrelu,
-    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-    F.rrelu,
-})
+    torch.rrelu, F.rrelu,
+}) | TORCH_DROPOUTS | FUNCTIONAL_DROPOUTS
 
 RANDOM_METHODS = frozenset({
     "bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_", "geometric_",
@@ -36,13 +36,11 @@ RANDOM_ATEN_PACKETS = frozenset({
     _aten.rand, _aten.rand_like, _aten.randn, _aten.randn_like, _aten.randint, _aten.randint_like,
     _aten.randperm, _aten.bernoulli, _aten.bernoulli_, _aten.multinomial, _aten.normal,
     _aten.normal_, _aten.uniform, _aten.uniform_, _aten.random_, _aten.exponential_,
-    _aten.geometric_, _aten.cauchy_, _aten.log_normal_, _aten.poisson, _aten.dropout,
-    _aten.native_dropout, _aten.alpha_dropout, _aten.feature_dropout, _aten.feature_alpha_dropout,
+    _aten.geometric_, _aten.cauchy_, _aten.log_normal_, _aten.poisson, _aten.native_dropout,
     _aten.rrelu, _aten.rrelu_with_noise,
-})
+}) | frozenset(op.overloadpacket for op in ATEN_DROPOUTS)
 
-RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-                  nn.FeatureAlphaDropout, nn.RReLU)
+RANDOM_MODULES = (*DROPOUT_MODULES, nn.RReLU)
 
 
 def draws_random_numbers(gm: fx.GraphModule, node: fx.Node) -> bool:

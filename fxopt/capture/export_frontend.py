@@ -128,8 +128,8 @@ from fxopt.capture.trace_checks import (
     user_checkpoints_refused,
     user_frame,
 )
-from fxopt.graph.train_eval import (eval_module_on, install_eval_graph, refuse_pickling,
-                                    same_graph)
+from fxopt.graph.pickling import refuse_pickling
+from fxopt.graph.train_eval import eval_module_on, install_eval_graph, same_graph
 from fxopt.core import meta_keys
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy
@@ -216,11 +216,10 @@ class _Exported:
 
 
 def _export(shell: nn.Module, call: _Call, example: tuple, mode: str, training: bool,
-            fixed: frozenset = frozenset(), traced: list[str] | None = None) -> _Exported:
+            fixed: frozenset, traced: list[str]) -> _Exported:
     """Export forward in ``mode`` (``_MODES``), every dimension dynamic but those ``fixed``
-    ((leaf, dim) pairs); ``traced`` (when given) gets ``mode`` appended, one per trace."""
-    if traced is not None:
-        traced.append(mode)
+    ((leaf, dim) pairs); ``traced`` gets ``mode`` appended, one per trace."""
+    traced.append(mode)
     recorder = _Recorder()
     wrapper = _Flat(shell, call, recorder)
     shapes = None

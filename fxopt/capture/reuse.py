@@ -24,6 +24,9 @@ copied, the eval-mode graph too: a structural copy alone shares it), so the capt
 edited and serves any number of calls; ``optimize`` verifies the result against the model
 itself, as always.
 
+A capture does not pickle: ``torch.save`` of it raises ``ExportError`` (it names its model object,
+which a file cannot); save the model's ``state_dict()`` and capture again after loading.
+
 Not detected: a change of code behind a name (a method monkeypatched onto the model's class) and
 global state a forward reads. Verification (on by default) then fails, naming the tensor that
 differs.
@@ -42,7 +45,7 @@ from torch import fx, nn
 
 from fxopt.capture.chain import capture as capture_chain
 from fxopt.core import meta_keys
-from fxopt.core.errors import ConfigError
+from fxopt.core.errors import ConfigError, ExportError
 from fxopt.core.fingerprint import TooLarge, described
 from fxopt.core.inputs import check_inputs
 from fxopt.core.modules import structural_copy
@@ -63,6 +66,18 @@ class CapturedFrom:
     pinned: tuple[Any, ...]
     capture: str
     leaf_modules: tuple[str, ...]
+
+    def __reduce__(self) -> Any:
+        raise ExportError(
+            f"a capture made by fxopt.capture_model belongs to the {self.model_name} object it "
+            "was captured from, which a saved capture cannot name", where="torch.save / pickle",
+            hint="save the model's state_dict() and capture again after loading it, or save "
+                 "an optimized module: fxopt.export.export(optimize(...), 'out_dir')")
+
+    def __deepcopy__(self, memo: dict) -> CapturedFrom:
+        """A copy naming the same model (what pickling would do, were it allowed)."""
+        return type(self)(**{f.name: copy.deepcopy(getattr(self, f.name), memo)
+                             for f in dataclasses.fields(self)})
 
 
 def capture_model(model: nn.Module, example_inputs: Any = (), *,

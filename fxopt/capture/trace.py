@@ -59,6 +59,7 @@ from fxopt.capture.trace_checks import (
     user_frame,
 )
 from fxopt.graph.graphs import graph_module_like
+from fxopt.graph.pickling import refuse_pickling
 from fxopt.graph.train_eval import install_eval_graph, same_graph
 from fxopt.core import meta_keys
 from fxopt.core.errors import TraceError
@@ -300,6 +301,7 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
     if not same_graph(graph, eval_graph, shell):
         _attach_constants(gm, shell, eval_graph)
         install_eval_graph(gm, eval_graph)
+        refuse_pickling(gm)
         info.mode_dependent = True
     propagate_meta_explained(model, gm, args)
     record_leaf_runs(gm, args)  # leaves that cannot run on fakes: measured on a real run

@@ -8,5 +8,6 @@ leaves), it owns:
 - ``fake_run``: running a module on fake tensors without touching the user's state;
 - ``meta``: ``node.meta["val"]`` propagation on fakes;
 - ``train_eval``: a module with a graph per training mode;
+- ``pickling``: ``torch.save`` of a capture, refused where torch.fx's pickling would lose part of it;
 - ``leaf_tape``: opaque leaves' recorded real runs, replayed on fakes.
 """

@@ -16,8 +16,7 @@ dispatch. Leaf modules (BatchNorm, Dropout, opaque fallbacks) check their own ``
 when they run, so they never need this.
 
 Not handled: pickling the module with ``torch.save(module)``, which would re-trace one path of its
-code on load and lose the eval-mode graph, so it raises ``ExportError`` saying to save
-``state_dict()`` or write a folder with ``fxopt.export`` (see ``refuse_pickling``), and a
+code on load and lose the eval-mode graph (``fxopt.graph.pickling`` refuses it), and a
 model whose non-leaf modules are left in mixed modes on purpose: the train-mode graph is the one
 with every module in train mode.
 """
@@ -32,7 +31,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.core.errors import ExportError, TraceError
+from fxopt.core.dropouts import FUNCTIONAL_DROPOUTS, POSITIONAL_DROPOUTS
+from fxopt.core.errors import TraceError
 from fxopt.core.modules import code_only_module, deepcopy_keeping_hooks, set_instance_method
 from fxopt.core.torch_private import CodeGen, codegen_of, has_plain_codegen
 from fxopt.runtime.eval_forward import EvalForward
@@ -64,17 +64,6 @@ class ModeDispatchCodeGen(CodeGen):
         return f"{head}\n    if not self.training:\n        return {call}"
 
 
-# Dropouts whose result is their input when p is 0 or training is off, as ATen operators
-# (input, p, train) and as torch.nn.functional calls (input, p, training, inplace).
-_ATEN_DROPOUTS = frozenset({torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
-                            torch.ops.aten.alpha_dropout.default,
-                            torch.ops.aten.feature_alpha_dropout.default})
-_FUNCTIONAL_DROPOUTS = frozenset({torch.nn.functional.dropout, torch.nn.functional.dropout1d,
-                                  torch.nn.functional.dropout2d, torch.nn.functional.dropout3d,
-                                  torch.nn.functional.alpha_dropout,
-                                  torch.nn.functional.feature_alpha_dropout})
-
-
 def drops_nothing(node: fx.Node) -> bool:
     """Whether ``node`` is a dropout that gives back its input's values: p 0 or training off.
 
@@ -83,11 +72,11 @@ def drops_nothing(node: fx.Node) -> bool:
     in eval mode (``dropout(x, 0.0, False)``) is one computation."""
     if node.op != "call_function":
         return False
-    if node.target in _ATEN_DROPOUTS:
+    if node.target in POSITIONAL_DROPOUTS:
         if len(node.args) != 3 or node.kwargs:
             return False
         p, train = node.args[1:]
-    elif node.target in _FUNCTIONAL_DROPOUTS:
+    elif node.target in FUNCTIONAL_DROPOUTS:
         try:
             bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
         except TypeError:
@@ -162,7 +151,6 @@ def install_eval_graph(gm: fx.GraphModule, eval_graph: fx.Graph) -> None:
     eval_module = code_only_module(eval_graph, gm, f"{type(gm).__name__}Eval")
     gm.graph.set_codegen(ModeDispatchCodeGen(EvalForward(eval_module)))
     gm.recompile()
-    refuse_pickling(gm)
     set_instance_method(gm, "__deepcopy__", _deepcopy_with_eval_attributes)
 
 
@@ -186,55 +174,6 @@ def _deepcopy_with_eval_attributes(self: fx.GraphModule, memo: dict) -> fx.Graph
             value = operator.attrgetter(node.target)(self)
             object.__setattr__(owner, name, copy.deepcopy(value, memo))
     return copied
-
-
-def refuse_pickling(gm: fx.GraphModule) -> None:
-    """Make ``torch.save(gm)`` / ``pickle.dumps(gm)`` raise ``ExportError`` where torch.fx's
-    pickling would lose part of the module: it pickles the generated code and the registered
-    submodules and re-traces the code on load, so it follows only the train-mode path of a module
-    with a graph per training mode, and drops the bodies of torch.export's higher-order
-    operators (plain attributes the graph reads) and the classes of the outputs it rebuilds.
-    ``gm``'s class is its own (torch.fx makes one per instance)."""
-    if has_eval_graph(gm) or _reads_unregistered_modules(gm) or _builds_containers(gm):
-        set_instance_method(gm, "__reduce__", _refuse_reduce)
-
-
-def _builds_containers(gm: fx.GraphModule) -> bool:
-    """Whether ``gm``'s graph calls a class (torch.export captures rebuild a Hugging Face
-    ``ModelOutput`` or a namedtuple so): torch.fx's re-trace on load runs the constructor on
-    proxies and records a plain dict or tuple in its place."""
-    return any(node.op == "call_function" and isinstance(node.target, type)
-               for node in gm.graph.nodes)
-
-
-def _reads_unregistered_modules(gm: fx.GraphModule) -> bool:
-    """Whether a graph of ``gm`` reads a module held as a plain attribute, not a submodule."""
-    for module in gm.modules():
-        for node in module.graph.find_nodes(op="get_attr") if isinstance(
-                module, fx.GraphModule) else ():
-            owner_path, _, name = node.target.rpartition(".")
-            try:
-                owner = module.get_submodule(owner_path)
-            except AttributeError:
-                continue
-            if isinstance(vars(owner).get(name), nn.Module):  # not a registered submodule
-                return True
-    return False
-
-
-def _refuse_reduce(self: fx.GraphModule) -> Any:
-    why = ("has a graph per training mode, which torch.save cannot keep (torch.fx re-traces one "
-           "path of the code when loading)" if has_eval_graph(self) else
-           "calls the bodies of torch.export's higher-order operators, which torch.save cannot "
-           "keep (torch.fx re-traces the generated code when loading, without them)"
-           if _reads_unregistered_modules(self) else
-           "rebuilds its output's classes in its graph, which torch.save cannot keep (torch.fx "
-           "re-traces the generated code when loading and returns plain dicts and tuples)")
-    raise ExportError(
-        f"{type(self).__name__} {why}",
-        where="torch.save / pickle",
-        hint="save module.state_dict() and load it into a newly optimized model, or write a "
-             "folder that loads with torch alone: fxopt.export.export(module, 'out_dir')")
 
 
 def has_eval_graph(gm: fx.GraphModule) -> bool:

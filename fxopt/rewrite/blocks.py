@@ -35,6 +35,7 @@ from torch import fx, nn
 
 from fxopt.analysis.blocks import node_blocks
 from fxopt.analysis.writes import overwritten_inputs
+from fxopt.graph.pickling import refuse_pickling
 from fxopt.graph.train_eval import (
     eval_graph,
     install_eval_graph,
@@ -229,6 +230,7 @@ def _install_block(gm: fx.GraphModule, train: _Segment, evaluation: _Segment | N
     block.training = shell.training
     if evaluation is not None:
         install_eval_graph(block, _block_graph(evaluation, names))
+        refuse_pickling(block)
     parent_path, _, name = train.path.rpartition(".")
     replace_child(gm.get_submodule(parent_path), name, block)
     return block

@@ -1,0 +1,79 @@
+"""``torch.save(module)`` of a captured module: refused, with the reason, where it would lose part
+of the module.
+
+torch.fx pickles a GraphModule as its generated code and its registered submodules, and re-traces
+the code on load. Three things a capture can hold do not survive that:
+
+- a graph per training mode (``fxopt.graph.train_eval``): the re-trace follows one path;
+- the bodies of torch.export's higher-order operators, which the graph reads as plain
+  attributes, not submodules: they are not pickled;
+- the classes of the outputs the graph rebuilds (a Hugging Face ``ModelOutput``, a namedtuple):
+  the re-trace runs their constructors on proxies and records a plain dict or tuple.
+
+A module holding any of them raises ``ExportError`` from ``torch.save`` / ``pickle.dumps`` and
+says to save its ``state_dict()`` or export a folder instead. Every other capture pickles as
+torch.fx pickles it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import fx, nn
+
+from fxopt.core.errors import ExportError
+from fxopt.core.modules import set_instance_method
+from fxopt.graph.train_eval import has_eval_graph
+
+
+def refuse_pickling(gm: fx.GraphModule) -> None:
+    """Make pickling ``gm`` raise ``ExportError`` where torch.fx's pickling would lose part of it
+    (``unpicklable_because``). ``gm``'s class is its own (torch.fx makes one per instance), so
+    no other module changes. Call it again after rebuilding ``gm``'s graph."""
+    if unpicklable_because(gm) is not None:
+        set_instance_method(gm, "__reduce__", _refuse_reduce)
+
+
+def unpicklable_because(gm: fx.GraphModule) -> str | None:
+    """Why torch.fx's pickling would lose part of ``gm``, or None when it keeps all of it."""
+    if has_eval_graph(gm):
+        return ("has a graph per training mode, which torch.save cannot keep (torch.fx re-traces "
+                "one path of the code when loading)")
+    if _reads_unregistered_modules(gm):
+        return ("calls the bodies of torch.export's higher-order operators, which torch.save "
+                "cannot keep (torch.fx re-traces the generated code when loading, without them)")
+    if _builds_classes(gm):
+        return ("rebuilds its output's classes in its graph, which torch.save cannot keep "
+                "(torch.fx re-traces the generated code when loading and returns plain dicts "
+                "and tuples)")
+    return None
+
+
+def _builds_classes(gm: fx.GraphModule) -> bool:
+    """Whether ``gm``'s graph calls a class (torch.export captures rebuild a ``ModelOutput`` or a
+    namedtuple so)."""
+    return any(node.op == "call_function" and isinstance(node.target, type)
+               for node in gm.graph.nodes)
+
+
+def _reads_unregistered_modules(gm: fx.GraphModule) -> bool:
+    """Whether a graph of ``gm`` reads a module held as a plain attribute, not a submodule."""
+    for module in gm.modules():
+        for node in module.graph.find_nodes(op="get_attr") if isinstance(
+                module, fx.GraphModule) else ():
+            owner_path, _, name = node.target.rpartition(".")
+            try:
+                owner = module.get_submodule(owner_path)
+            except AttributeError:
+                continue
+            if isinstance(vars(owner).get(name), nn.Module):  # not a registered submodule
+                return True
+    return False
+
+
+def _refuse_reduce(self: fx.GraphModule) -> Any:
+    raise ExportError(
+        f"{type(self).__name__} {unpicklable_because(self)}",
+        where="torch.save / pickle",
+        hint="save module.state_dict() and load it into a newly optimized model, or write a "
+             "folder that loads with torch alone: fxopt.export.export(module, 'out_dir')")
