@@ -382,6 +382,34 @@ def test_max_batch_size_along_another_dim_and_budget_error():
         max_batch_size(model, (x,), 1000, batch_dim=1)
 
 
+def test_estimate_peak_and_max_batch_size_take_keyword_inputs_as_optimize_does():
+    """A Hugging Face batch is keywords (``input_ids``, ``labels``): both take it as
+    ``example_kwargs``, bound to forward's parameters as ``optimize`` and ``measure`` bind it
+    (a TypeError before), and predict what the positional call predicts."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False))
+
+    def batch(size: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 256, (size, 32), generator=torch.Generator().manual_seed(size))
+        return {"input_ids": ids, "labels": ids.clone()}  # a collator's labels: their own tensor
+
+    estimate = estimate_peak(model, example_kwargs=batch(2))
+    assert estimate.train_backward_from == "the model's loss (output.loss)"
+    positional = batch(2)
+    assert estimate == estimate_peak(model, (positional["input_ids"], None, None, None, None,
+                                             positional["labels"]))
+    measured = measure_train_step(model, (), batch(2)).peak_bytes
+    assert abs(estimate.train_bytes - measured) <= 0.05 * measured
+    at_four = estimate_peak(model, example_kwargs=batch(4)).train_bytes
+    assert max_batch_size(model, (), at_four, example_kwargs=batch(2)) == 4
+    with pytest.raises(InputError, match="input_idz"):
+        estimate_peak(model, example_kwargs={"input_idz": batch(2)["input_ids"]})
+
+
 # ---------------------------------------------------------------- accuracy over the zoo
 
 

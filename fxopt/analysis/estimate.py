@@ -58,6 +58,7 @@ from fxopt.graph.fake_run import (
 )
 from fxopt.analysis.blocks import block_parameter_names
 from fxopt.core.errors import BudgetError, InputError
+from fxopt.core.inputs import bind_keywords
 from fxopt.core.step import as_args, describe_step, training_step
 from fxopt.core.tensors import storage_bytes, tensors_in
 from fxopt.core.torch_private import FakeTensorMode
@@ -226,19 +227,30 @@ def estimate_inference_peak(module: nn.Module, example_inputs: Any, *,
     return _tracked(module, example_inputs, _inference, training or TrainingSetup()).bytes
 
 
-def estimate_peak(module: nn.Module, example_inputs: Any, *,
+def estimate_peak(module: nn.Module, example_inputs: Any = (), *,
+                  example_kwargs: dict[str, Any] | None = None,
                   fused_optimizer: FusedOptimizers = None,
                   training: TrainingSetup | None = None) -> PeakEstimate:
-    """Predicted training-step and inference peaks of ``module`` on ``example_inputs``, for the
-    training ``training`` describes (``fxopt.TrainingSetup``); ``fused_optimizer``: what
-    ``fxopt.fuse_optimizer`` returned for the training, if it fuses (a shorthand for
+    """Predicted training-step and inference peaks of ``module`` on ``example_inputs`` (forward's
+    positional arguments) and ``example_kwargs`` (its keyword ones, bound by name as
+    ``fxopt.optimize`` binds them: a Hugging Face batch), for the training ``training``
+    describes (``fxopt.TrainingSetup``); ``fused_optimizer``: what ``fxopt.fuse_optimizer``
+    returned for the training, if it fuses (a shorthand for
     ``training=TrainingSetup(fused_optimizer=...)``)."""
+    example_inputs = _bound(module, example_inputs, example_kwargs)
     training = _setup(training, fused_optimizer)
     train = estimate_train_peak(module, example_inputs, training=training)
     inference = _tracked(module, example_inputs, _inference, training)
     return PeakEstimate(train.bytes, inference.bytes, train.baseline_bytes, train.op,
                         inference.op, train.grad_bytes, train.fused.optimizer_state_bytes,
                         train.fused.parameters, train.optimizer_step_bytes, train.backward_from)
+
+
+def _bound(module: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None) -> Any:
+    """The inputs as one positional call (``bind_keywords``), or as given without keywords."""
+    if not example_kwargs:
+        return example_inputs
+    return bind_keywords(module, as_args(example_inputs), example_kwargs)
 
 
 def _setup(training: TrainingSetup | None, fused_optimizer: FusedOptimizers) -> TrainingSetup:
@@ -271,9 +283,12 @@ _LARGEST_REFERENCE = 2**20
 
 
 def max_batch_size(model: nn.Module, example_inputs: Any, budget_bytes: int, *,
-                   batch_dim: int = 0, fused_optimizer: FusedOptimizers = None,
+                   example_kwargs: dict[str, Any] | None = None, batch_dim: int = 0,
+                   fused_optimizer: FusedOptimizers = None,
                    training: TrainingSetup | None = None) -> int:
-    """Largest batch whose predicted training peak is at most ``budget_bytes``."""
+    """Largest batch whose predicted training peak is at most ``budget_bytes``; every input
+    tensor, keyword ones (``example_kwargs``) included, is resized along ``batch_dim``."""
+    example_inputs = _bound(model, example_inputs, example_kwargs)
     peaks: dict[int, int] = {}
     training = _setup(training, fused_optimizer)
 
