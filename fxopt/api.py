@@ -112,7 +112,7 @@ def optimize(
     an error that says so; evaluation under ``torch.no_grad()`` returns them as before.
 
     ``check_budget``: run one real training step of the planned module and, when its peak is
-    over ``memory_budget``, plan again with the budget lowered by the overshoot
+    over ``memory_budget``, plan again for the budget less what the plan's prediction missed
     (``fxopt.measure.budget_check``). None (default): on wherever predictions are not exact (a
     GPU, whose kernels hold workspaces fake tensors cannot see), off on the CPU. With
     ``memory_budget="min"`` it measures what the device really reaches.
