@@ -26,7 +26,8 @@ REGISTRY = PassRegistry([
              "make activations in-place where autograd does not need the input",
              aliases=("inplace",)),
     PassSpec("causal_attention", causal_attention,
-             "attention given a built causal mask runs as is_causal=True, without the mask "
+             "attention given a built causal mask runs as is_causal=True, without the mask, and "
+             "on grouped key/value heads unrepeated (enable_gqa), as eager transformers run it "
              "(torch.export-captured transformers)", aliases=("causal",)),
     PassSpec("chunked_loss", chunked_loss,
              "a language model's head and cross-entropy computed over chunks of tokens: the "

@@ -21,7 +21,14 @@ Safe when (all checked; otherwise the call is left as it is, with the reason in 
   value, as transformers writes it) above;
 - the call is the ATen overload ``aten.scaled_dot_product_attention.default``, not already causal.
 
-Which calls qualify is decided by ``fxopt.planning.causal_mask``; this pass edits them.
+Grouped-query attention: a call left with no mask whose keys and values are provably their
+heads repeated for the query heads (``repeat_kv``, as traced Hugging Face models do once they
+have a mask tensor) reads the unrepeated tensors with ``enable_gqa=True`` instead, as the eager
+model does without a mask, and the two copies per layer it held for backward are gone
+(``fxopt.planning.grouped_heads`` says when).
+
+Which calls qualify is decided by ``fxopt.planning.causal_mask`` and
+``fxopt.planning.grouped_heads``; this pass edits them.
 Verification then checks outputs and gradients as for every pass. Not handled: masks that also
 encode padding (they are not the causal pattern and stay), masks read from inputs, sliding
 windows, and module-level (symbolic-tracing) graphs, whose ``F.scaled_dot_product_attention``
@@ -33,6 +40,7 @@ from __future__ import annotations
 from torch import fx
 
 from fxopt.planning.causal_mask import SDPA, causal_sdpa_calls, sdpa_argument
+from fxopt.planning.grouped_heads import grouped_sources
 from fxopt.rewrite.pass_base import PassResult, graph_edited, mark_new
 
 __all__ = ["PASS_NAME", "SDPA", "causal_attention"]
@@ -56,8 +64,28 @@ def causal_attention(gm: fx.GraphModule) -> PassResult:
         node.args, node.kwargs = tuple(args[:6]), kwargs
         mark_new(node, PASS_NAME)
         rewritten.append(node.name)
-    if rewritten:
+    grouped = _ungroup(gm)
+    if rewritten or grouped:
         gm.graph.eliminate_dead_code()
         graph_edited(gm)
-    return PassResult(gm, bool(rewritten), {"rewritten": len(rewritten), "sites": rewritten,
-                                             "skipped": skipped})
+    return PassResult(gm, bool(rewritten or grouped),
+                      {"rewritten": len(rewritten), "sites": rewritten,
+                       "grouped": grouped, "skipped": skipped})
+
+
+def _ungroup(gm: fx.GraphModule) -> list[str]:
+    """Unmasked sdpa calls on repeated key/value heads read them unrepeated, with
+    ``enable_gqa=True`` (module docstring); the calls edited."""
+    edited = []
+    for node in gm.graph.find_nodes(op="call_function", target=SDPA):
+        if (len(node.args) < 3 or sdpa_argument(node, 3, "attn_mask") is not None
+                or node.kwargs.get("enable_gqa")):
+            continue
+        sources = grouped_sources(node)
+        if sources is None:
+            continue
+        node.args = (node.args[0], *sources, *node.args[3:])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+        mark_new(node, PASS_NAME)
+        edited.append(node.name)
+    return edited

@@ -195,3 +195,85 @@ def test_golden_graph_before_and_after_and_a_second_run_changes_nothing():
     assert result.stats["sites"] == ["scaled_dot_product_attention"]
     again = causal_attention(gm)
     assert not again.modified and again.stats["rewritten"] == 0 and again.stats["skipped"] == {}
+
+
+class GroupedAttention(nn.Module):
+    """Grouped-query attention as transformers writes it traced: 2 query heads on 1 key/value
+    head, ``repeat_kv`` (``k[:, :, None].expand(...).reshape(...)``), a built causal mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = nn.Linear(C, C), nn.Linear(C, C // H * 2)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, d = x.shape[0], x.shape[1], C // H
+        q = self.q(x).view(b, t, H, d).transpose(1, 2)
+        k, v = (z.view(b, t, 1, d).transpose(1, 2) for z in self.kv(x).split(d, -1))
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        b, _, t, d = k.shape
+        k, v = (z[:, :, None].expand(b, 1, H, t, d).reshape(b, H, t, d) for z in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=batched_causal(t, x, pad)).sum(1)
+
+
+class TiledHeads(GroupedAttention):
+    """The key/value head and a scaled copy of it: computed, not a repetition."""
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        k, v = (torch.cat([z, z * 2], dim=1) for z in (k, v))
+        mask = batched_causal(x.shape[1], x, pad)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum(1)
+
+
+def test_grouped_heads_are_handed_to_sdpa_unrepeated_once_the_mask_is_gone():
+    """check_pass (numerics, measured memory not worse, a second run changes nothing): the
+    repeated key and value copies are gone and sdpa groups the heads itself; a batch size the
+    example did not have still computes what the model computes."""
+    torch.manual_seed(0)
+    model = GroupedAttention()
+    gm, result = check_pass(model, inputs(), causal_attention, capture="export")
+    assert result.stats["sites"] == result.stats["grouped"] == ["scaled_dot_product_attention"]
+    (call,) = sdpa_calls(gm)
+    assert call.kwargs == {"enable_gqa": True} and call.args[3:] == (None, 0.0, True)
+    assert call.args[1].meta["val"].shape[1] == 1  # the model's one key/value head
+    assert not [n for n in gm.graph.nodes if n.target in (torch.ops.aten.expand.default,
+                                                           torch.ops.aten.clone.default)]
+    x = torch.randn(B + 2, T, C, generator=torch.Generator().manual_seed(1))
+    pad = torch.ones(B + 2, T, dtype=torch.bool)
+    torch.testing.assert_close(gm(x, pad), model(x, pad))
+
+
+def test_heads_that_are_computed_not_repeated_stay():
+    gm = capture(TiledHeads(), inputs(), capture="export")
+    result = causal_attention(gm)
+    assert result.stats["grouped"] == [] and result.stats["sites"]  # made causal, not grouped
+    (call,) = sdpa_calls(gm)
+    assert "enable_gqa" not in call.kwargs and call.args[1].meta["val"].shape[1] == H
+
+
+class TiledGroups(nn.Module):
+    """4 query heads on 2 key/value heads, tiled (heads 0, 1, 0, 1) by the operators
+    ``repeat_kv`` uses, a new dimension in front of the heads instead of after: a pure data
+    movement, but not the grouping sdpa's ``enable_gqa`` applies (0, 0, 1, 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = nn.Linear(C, C), nn.Linear(C, C)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        b, t = x.shape[:2]
+        q = self.q(x).view(b, t, 4, C // 4).transpose(1, 2)
+        k, v = (z.view(b, t, 2, C // 4).transpose(1, 2) for z in self.kv(x).split(C // 2, -1))
+        k, v = (z[:, None].expand(b, 2, 2, t, C // 4).reshape(b, 4, t, C // 4) for z in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=batched_causal(t, x, pad)).sum(1)
+
+
+def test_heads_repeated_in_another_order_stay_repeated():
+    gm = capture(TiledGroups(), inputs(), capture="export")
+    result = causal_attention(gm)
+    assert result.stats["grouped"] == [] and result.stats["sites"]
+    (call,) = sdpa_calls(gm)
+    assert "enable_gqa" not in call.kwargs and call.args[1].meta["val"].shape[1] == 4
