@@ -170,6 +170,25 @@ def seeded(build: Any, *args: Any) -> Any:
         return build(*args)
 
 
+def grouped_query_llama() -> nn.Module:
+    """A random-init 2-layer Hugging Face Llama with grouped-query attention (4 query heads on 2
+    key/value heads), hidden 64, vocab 256, built under seed 0 (skips without transformers)."""
+    import pytest
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False)
+    return seeded(transformers.LlamaForCausalLM, config)
+
+
+def token_batch(size: int, *, seq: int = 32, vocab: int = 256, seed: int = 3
+                ) -> dict[str, torch.Tensor]:
+    """A causal LM batch as a collator makes it: ``input_ids`` and ``labels``, its own tensor."""
+    ids = torch.randint(0, vocab, (size, seq), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
 def exit_passed_worker() -> None:
     """End a ``torch.multiprocessing.spawn`` worker whose checks all passed: flush and exit with
     status 0 at once. On a loaded machine gloo's threads can abort the interpreter's own shutdown

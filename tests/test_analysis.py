@@ -29,6 +29,7 @@ from fxopt.core.graphs import placeholder_values
 from fxopt.capture.trace import trace
 from fxopt.core.errors import BudgetError, InputError
 from fxopt.measure.peaks import measure_inference, measure_train_step
+from helpers import grouped_query_llama, token_batch
 
 
 def by_name(gm: fx.GraphModule) -> dict[str, fx.Node]:
@@ -386,16 +387,10 @@ def test_estimate_peak_and_max_batch_size_take_keyword_inputs_as_optimize_does()
     """A Hugging Face batch is keywords (``input_ids``, ``labels``): both take it as
     ``example_kwargs``, bound to forward's parameters as ``optimize`` and ``measure`` bind it
     (a TypeError before), and predict what the positional call predicts."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False))
+    model = grouped_query_llama()
 
     def batch(size: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 256, (size, 32), generator=torch.Generator().manual_seed(size))
-        return {"input_ids": ids, "labels": ids.clone()}  # a collator's labels: their own tensor
+        return token_batch(size, seed=size)
 
     estimate = estimate_peak(model, example_kwargs=batch(2))
     assert estimate.train_backward_from == "the model's loss (output.loss)"

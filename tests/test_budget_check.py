@@ -18,7 +18,7 @@ import fxopt
 import importlib
 from fxopt.core.errors import BudgetError
 from fxopt.measure.peaks import measure_train_step
-from helpers import seeded
+from helpers import grouped_query_llama, seeded, token_batch
 
 checkpoint_pass = importlib.import_module("fxopt.passes.checkpoint")  # the module, not the function
 
@@ -131,17 +131,6 @@ def test_a_module_planned_again_copies_like_one_planned_once(monkeypatch):
         torch.testing.assert_close(copied(X), reference(X))
 
 
-def _llama() -> tuple[nn.Module, dict]:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False))
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
-    return model, {"input_ids": ids, "labels": ids.clone()}
-
-
 def _step(module: nn.Module, kwargs: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     for p in module.parameters():
         p.grad = None
@@ -162,7 +151,7 @@ def test_a_hugging_face_llama_planned_again_deep_copies_and_trains_like_the_orig
     The budget is met in the second plan. Before, each plan's *budget* was lowered by the last
     overshoot: the second plan landed 1,538 bytes over, below its own budget by more than that,
     so the third and fourth were the same plan and optimize raised ``BudgetError``."""
-    model, kwargs = _llama()
+    model, kwargs = grouped_query_llama(), token_batch(2)
     estimate = fxopt.estimate_peak(model, (), example_kwargs=kwargs)
     budget = estimate.train_bytes - estimate.activation_bytes // 4
     _undercounting(monkeypatch, estimate.activation_bytes // 8)

@@ -9,7 +9,7 @@ from torch import nn
 
 import fxopt
 from fxopt.capture.chain import capture
-from helpers import check_pass
+from helpers import check_pass, grouped_query_llama, token_batch
 from fxopt.passes.causal_attention import SDPA, causal_attention
 
 B, T, C, H = 3, 8, 16, 2
@@ -283,14 +283,7 @@ def test_a_grouped_query_llama_optimized_by_default_holds_no_more_than_the_origi
     """The eager Llama calls sdpa with ``enable_gqa=True`` and no mask; before this pass handed
     grouped heads over, its default-optimized capture held the repeated key/value copies for
     backward and measured 1,828,424 bytes against the original's 1,795,656 (+1.8%)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False))
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
-    kwargs = {"input_ids": ids, "labels": ids.clone()}
+    model, kwargs = grouped_query_llama(), token_batch(2)
     slim = fxopt.optimize(model, (), example_kwargs=kwargs)
     causal = next(p for p in slim.fxopt_report.passes if p.name == "causal_attention")
     assert len(causal.stats["grouped"]) == 2  # one call per layer

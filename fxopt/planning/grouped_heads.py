@@ -28,17 +28,18 @@ Decision only: no graph is edited here.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import fx
 
+from fxopt.core.torch_private import UNSAFE_VIEW
 from fxopt.planning.causal_mask import sdpa_argument
 
 _aten = torch.ops.aten
 _MOVES = frozenset({_aten.slice.Tensor, _aten.unsqueeze.default, _aten.expand.default,
-                    _aten.clone.default, _aten.view.default, _aten._unsafe_view.default,
-                    _aten.reshape.default})
+                    _aten.clone.default, _aten.view.default, _aten.reshape.default}) | UNSAFE_VIEW
 _SYM_SIZE = _aten.sym_size.int
 MAX_HEAD_DIM = 256
 _CPU = torch.device("cpu")
@@ -96,7 +97,7 @@ def _repeats(source: fx.Node, chain: list[fx.Node], n: int, batch: int) -> bool:
     """Whether ``chain`` (source to output, in order) maps a probe of distinct values at batch
     ``batch`` to the probe with each head repeated ``n`` times in place."""
     sizes = [batch, *source.meta["val"].shape[1:]]
-    probe = torch.arange(int(torch.tensor(sizes).prod()), dtype=torch.float64,
+    probe = torch.arange(math.prod(sizes), dtype=torch.float64,
                          device=_CPU).view(sizes)
     env: dict[fx.Node, Any] = {source: probe}
 
