@@ -1,4 +1,5 @@
-"""Scaled dot-product attention with a built causal mask -> ``is_causal=True``, no mask.
+"""Scaled dot-product attention with a built causal mask -> ``is_causal=True``, no mask (and
+grouped key/value heads unrepeated, ``enable_gqa=True``).
 
 Traced by torch.export, Hugging Face models build their causal mask as a tensor (transformers
 skips it, and asks sdpa for ``is_causal=True``, only when it is not being traced): a bool or

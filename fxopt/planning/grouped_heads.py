@@ -4,22 +4,23 @@ with ``enable_gqa=True``).
 
 Grouped-query attention (Llama 3, Qwen, Mistral, Gemma) has fewer key/value heads than query
 heads. Eager Hugging Face, whose causal mask is then None, calls sdpa with ``enable_gqa=True``
-on the key/value heads as they are. Traced, it builds the mask as a tensor and repeats each key and value
-head for its query heads (``repeat_kv``: ``k[:, :, None].expand(...).reshape(...)``), so every
-layer materializes and keeps for backward two copies the eager model never makes: at 32 query
-and 8 key/value heads, 2 x 4096 tokens, head dim 64 in bfloat16, 64 MiB per layer. Once
-``causal_attention`` has made the call causal with no mask, the model's own eager path is this one.
+on the key/value heads as they are. Traced, it builds the mask as a tensor and repeats each key
+and value head for its query heads (``repeat_kv``: ``k[:, :, None].expand(...).reshape(...)``),
+so every layer materializes and keeps for backward two copies the eager model never makes: at
+32 query and 8 key/value heads, 2 x 4096 tokens, head dim 64 in bfloat16, 64 MiB per layer.
+Once ``causal_attention`` has made the call causal with no mask, the model's own eager path is
+this one.
 
-``grouped_sources(gm, call)`` returns ``(key, value)``, the tensors before the repetition, when
-both of the call's key and value are provably such a repetition, else None. Provably:
+``grouped_sources(call)`` returns ``(key, value)``, the tensors before the repetition, when both
+of the sdpa call's key and value are provably such a repetition, else None. Provably:
 
 - each is reached from its source through data-movement operators alone (``slice``,
   ``unsqueeze``, ``expand``, ``clone``, ``view``, ``_unsafe_view``, ``reshape``), whose values
   are a fixed selection of the source's, so where every value goes is read off one evaluation;
 - evaluated on the CPU on a probe of distinct values (sizes: the example's batch and one more,
-  the others as captured, as ``fxopt.planning.causal_mask`` evaluates a mask), the result is the probe with each head repeated ``n`` times in place
-  (``repeat_interleave(n, dim=1)``), the grouping sdpa's ``enable_gqa`` applies, and ``n`` is
-  the same for key and value;
+  the others as captured, as ``fxopt.planning.causal_mask`` evaluates a mask), the result is
+  the probe with each head repeated ``n`` times in place (``repeat_interleave(n, dim=1)``), the
+  grouping sdpa's ``enable_gqa`` applies, and ``n`` is the same for key and value;
 - key and value have the same head dimension, at most 256 (transformers' condition for CUDA
   kernels that serve grouped heads without falling back to the math kernel).
 
@@ -97,8 +98,7 @@ def _repeats(source: fx.Node, chain: list[fx.Node], n: int, batch: int) -> bool:
     """Whether ``chain`` (source to output, in order) maps a probe of distinct values at batch
     ``batch`` to the probe with each head repeated ``n`` times in place."""
     sizes = [batch, *source.meta["val"].shape[1:]]
-    probe = torch.arange(math.prod(sizes), dtype=torch.float64,
-                         device=_CPU).view(sizes)
+    probe = torch.arange(math.prod(sizes), dtype=torch.float64, device=_CPU).view(sizes)
     env: dict[fx.Node, Any] = {source: probe}
 
     def read(arg: fx.Node) -> Any:
