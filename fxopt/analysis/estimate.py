@@ -58,7 +58,7 @@ from fxopt.graph.fake_run import (
 )
 from fxopt.analysis.blocks import block_parameter_names
 from fxopt.core.errors import BudgetError, InputError
-from fxopt.core.inputs import bind_keywords
+from fxopt.core.inputs import check_inputs
 from fxopt.core.step import as_args, describe_step, training_step
 from fxopt.core.tensors import storage_bytes, tensors_in
 from fxopt.core.torch_private import FakeTensorMode
@@ -247,10 +247,10 @@ def estimate_peak(module: nn.Module, example_inputs: Any = (), *,
 
 
 def _bound(module: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None) -> Any:
-    """The inputs as one positional call (``bind_keywords``), or as given without keywords."""
-    if not example_kwargs:
-        return example_inputs
-    return bind_keywords(module, as_args(example_inputs), example_kwargs)
+    """With keywords, the inputs as ``optimize`` takes them (``check_inputs``: one positional
+    call); without, as given."""
+    return check_inputs(module, example_inputs, example_kwargs) if example_kwargs else (
+        example_inputs)
 
 
 def _setup(training: TrainingSetup | None, fused_optimizer: FusedOptimizers) -> TrainingSetup:

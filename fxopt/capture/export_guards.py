@@ -48,8 +48,8 @@ import torch
 from torch import fx
 from torch.export.graph_signature import InputKind
 
+from fxopt.core.dropouts import drops_nothing
 from fxopt.core.torch_private import UNSAFE_VIEW, export_guards
-from fxopt.graph.train_eval import drops_nothing
 from fxopt.runtime.input_guard import TensorSpec, evaluate, reads
 
 aten = torch.ops.aten

@@ -24,14 +24,13 @@ with every module in train mode.
 from __future__ import annotations
 
 import copy
-import inspect
 import operator
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 
-from fxopt.core.dropouts import FUNCTIONAL_DROPOUTS, POSITIONAL_DROPOUTS
+from fxopt.core.dropouts import drops_nothing
 from fxopt.core.errors import TraceError
 from fxopt.core.modules import code_only_module, deepcopy_keeping_hooks, set_instance_method
 from fxopt.core.torch_private import CodeGen, codegen_of, has_plain_codegen
@@ -62,30 +61,6 @@ class ModeDispatchCodeGen(CodeGen):
         call = (f"self.{self.method}({', '.join(names[1:])})" if self.method
                 else f"{_GLOBAL_NAME}({', '.join(names)})")
         return f"{head}\n    if not self.training:\n        return {call}"
-
-
-def drops_nothing(node: fx.Node) -> bool:
-    """Whether ``node`` is a dropout that gives back its input's values: p 0 or training off.
-
-    ATen's dropouts then return the input itself without drawing a random number, in either
-    training mode, so ``nn.Dropout(0.0)`` traced in train mode (``dropout(x, 0.0, True)``) and
-    in eval mode (``dropout(x, 0.0, False)``) is one computation."""
-    if node.op != "call_function":
-        return False
-    if node.target in POSITIONAL_DROPOUTS:
-        if len(node.args) != 3 or node.kwargs:
-            return False
-        p, train = node.args[1:]
-    elif node.target in FUNCTIONAL_DROPOUTS:
-        try:
-            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
-        except TypeError:
-            return False
-        bound.apply_defaults()
-        p, train = bound.arguments["p"], bound.arguments["training"]
-    else:
-        return False
-    return (isinstance(p, (int, float)) and p == 0) or train is False
 
 
 def same_graph(a: fx.Graph, b: fx.Graph, root: torch.nn.Module) -> bool:
@@ -127,14 +102,14 @@ def _same_target(x: fx.Node, y: fx.Node, root_a: torch.nn.Module,
                  root_b: torch.nn.Module) -> bool:
     if x.op != "get_attr":
         return x.target == y.target
+    if x.target == y.target and root_a is root_b:
+        return True
     try:
         values = [operator.attrgetter(x.target)(root_a), operator.attrgetter(y.target)(root_b)]
     except AttributeError:
         return False
     if all(isinstance(v, fx.GraphModule) for v in values):
         return _same_graph_in(values[0].graph, values[1].graph, *values)
-    if x.target == y.target and root_a is root_b:
-        return True
     return (all(isinstance(v, torch.Tensor) for v in values)
             and values[0].shape == values[1].shape and values[0].dtype == values[1].dtype
             and bool(torch.equal(values[0], values[1])))

@@ -86,7 +86,7 @@ def _why_not_causal(gm: fx.GraphModule, mask: fx.Node, user: fx.Node) -> str | N
     if not all(isinstance(b, int) for b in batches):
         return "the batch size is symbolic with no example value"
     for b in batches:
-        value = _evaluate(gm, nodes, mask, b)
+        value = evaluate_at_batch(gm, nodes, mask, b)
         if value is None:
             return "the mask could not be evaluated from shapes alone"
         if not _is_causal_pattern(value, query.shape[-2]):
@@ -97,15 +97,16 @@ def _why_not_causal(gm: fx.GraphModule, mask: fx.Node, user: fx.Node) -> str | N
 _CPU = torch.device("cpu")
 
 
-def _evaluate(gm: fx.GraphModule, nodes: set[fx.Node], mask: fx.Node, batch: int
-              ) -> torch.Tensor | None:
-    """The mask's value on the CPU, with every ``sym_size`` of dimension 0 read as ``batch`` and
-    the other sizes as captured (a ``device=`` the capture baked into a factory op is read as
-    the CPU, and constants are copied there)."""
-    env: dict[fx.Node, Any] = {}
+def evaluate_at_batch(gm: fx.GraphModule, nodes: set[fx.Node], wanted: fx.Node, batch: int,
+                      given: dict[fx.Node, Any] | None = None) -> Any:
+    """``wanted``'s value on the CPU, running ``nodes`` in graph order from the values
+    ``given``, with every ``sym_size`` of dimension 0 read as ``batch`` and the other sizes as
+    captured (a ``device=`` the capture baked into a factory op is read as the CPU, and
+    constants are copied there); None when that cannot be computed from shapes alone."""
+    env: dict[fx.Node, Any] = dict(given or {})
     try:
         for node in gm.graph.nodes:
-            if node not in nodes or node.op == "placeholder":
+            if node not in nodes or node.op == "placeholder" or node in env:
                 continue
             if node.op == "get_attr":
                 value = getattr(gm, node.target)
@@ -120,7 +121,7 @@ def _evaluate(gm: fx.GraphModule, nodes: set[fx.Node], mask: fx.Node, batch: int
                 if "device" in kwargs:
                     kwargs = {**kwargs, "device": _CPU}
                 env[node] = node.target(*args, **kwargs)
-            if node is mask:
+            if node is wanted:
                 return env[node]
     # a shape that is not an int, an op that needs values: not provable here
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError, NotImplementedError):

@@ -30,13 +30,11 @@ Decision only: no graph is edited here.
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import torch
 from torch import fx
 
 from fxopt.core.torch_private import UNSAFE_VIEW
-from fxopt.planning.causal_mask import sdpa_argument
+from fxopt.planning.causal_mask import evaluate_at_batch, sdpa_argument
 
 _aten = torch.ops.aten
 _MOVES = frozenset({_aten.slice.Tensor, _aten.unsqueeze.default, _aten.expand.default,
@@ -89,34 +87,19 @@ def _repeated_source(node: fx.Node) -> tuple[fx.Node, int] | None:
     if not all(isinstance(s, int) for s in source.shape):
         return None
     batch = source.shape[0]
-    if not all(_repeats(current, list(reversed(chain)), n, b) for b in (batch, batch + 1)):
+    if not all(_repeats(current, chain, n, b) for b in (batch, batch + 1)):
         return None
     return current, n
 
 
 def _repeats(source: fx.Node, chain: list[fx.Node], n: int, batch: int) -> bool:
-    """Whether ``chain`` (source to output, in order) maps a probe of distinct values at batch
-    ``batch`` to the probe with each head repeated ``n`` times in place."""
+    """Whether ``chain`` (output first, back to ``source``) maps a probe of distinct values at
+    batch ``batch`` to the probe with each head repeated ``n`` times in place."""
     sizes = [batch, *source.meta["val"].shape[1:]]
     probe = torch.arange(math.prod(sizes), dtype=torch.float64, device=_CPU).view(sizes)
-    env: dict[fx.Node, Any] = {source: probe}
-
-    def read(arg: fx.Node) -> Any:
-        if arg in env:
-            return env[arg]
-        if arg.op == "call_function" and arg.target is _SYM_SIZE:
-            # a size read off some input: the batch for dimension 0, else as captured
-            of, dim = arg.args
-            return batch if dim == 0 else int(of.meta["val"].shape[dim])
-        raise KeyError(arg)
-
-    try:
-        for node in chain:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), read)
-            env[node] = node.target(*args, **kwargs)
-    # an argument the chain computes elsewhere, a size that is not an int: not provable here
-    except (RuntimeError, TypeError, ValueError, IndexError, KeyError):
-        return False
-    result = env[chain[-1]]
+    sizes_read = {a for node in chain for a in node.all_input_nodes if a.target is _SYM_SIZE}
+    result = evaluate_at_batch(source.graph.owning_module, {*chain, *sizes_read}, chain[0],
+                               batch, given={source: probe})
     expected = probe.repeat_interleave(n, dim=1)
-    return result.shape == expected.shape and bool(torch.equal(result, expected))
+    return (isinstance(result, torch.Tensor) and result.shape == expected.shape
+            and bool(torch.equal(result, expected)))
