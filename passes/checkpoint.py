@@ -72,7 +72,7 @@ from fxopt.rewrite.pass_base import PassResult, StatsItem, graph_edited, mark_ne
 from fxopt.analysis.blocks import module_span
 from fxopt.rewrite.region_graphs import region_graphs
 from fxopt.rewrite.subgraph import region_io
-from fxopt.runtime.regions import CheckpointedRegion, call_region
+from fxopt.runtime.regions import CheckpointedRegion, call_region, region_inputs
 
 PASS_NAME = "checkpoint"
 
@@ -157,7 +157,7 @@ def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan
         setattr(gm, name, CheckpointedRegion(
             graphs.body, selective=region.mode == SELECTIVE, targets=graphs.targets,
             forward=graphs.forward, recompute=graphs.recompute, random=region.random,
-            shield=graphs.shield))
+            shield=graphs.shield, boxed=True))
         _replace_with_call(gm, nodes, name, graphs.targets)
         records.append(RegionStats(name, nodes[0].name, nodes[-1].name, len(nodes), region.mode,
                                    round(region.extra_seconds * 1e3, 3), region.freed_bytes,
@@ -167,9 +167,10 @@ def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan
 
 def _replace_with_call(gm: fx.GraphModule, nodes: list[fx.Node], attr: str,
                        targets: tuple[str, ...]) -> None:
-    """``call_region(self.<attr>, *inputs, *state)``: the state the body reads is looked up on
-    the root by the call site, at call time (an existing ``get_attr`` before the region is
-    reused)."""
+    """``call_region(self.<attr>, region_inputs(*inputs), *state)``: the inputs are handed over
+    in a list the region empties (so under ``no_grad`` each is freed at its last use in the body),
+    and the state the body reads is looked up on the root by the call site, at call time (an
+    existing ``get_attr`` before the region is reused)."""
     inputs, outputs = region_io(nodes)
     graph = gm.graph
     looked_up: dict[str, fx.Node] = {}
@@ -183,7 +184,8 @@ def _replace_with_call(gm: fx.GraphModule, nodes: list[fx.Node], attr: str,
         warnings.simplefilter("ignore", UserWarning)
         region = mark_new(graph.get_attr(attr), PASS_NAME)
         state = [looked_up.get(t) or mark_new(graph.get_attr(t), PASS_NAME) for t in targets]
-        call = mark_new(graph.call_function(call_region, (region, *inputs, *state)), PASS_NAME)
+        box = mark_new(graph.call_function(region_inputs, tuple(inputs)), PASS_NAME)
+        call = mark_new(graph.call_function(call_region, (region, box, *state)), PASS_NAME)
     if len(outputs) == 1:
         outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in nodes)
     else:

@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 from helpers import assert_same_step, compact, step_record
-from torch import nn
+from torch import fx, nn
 
 import fxopt
 import fxopt.runtime.region_frame
@@ -21,7 +21,7 @@ from fxopt.capture.trace import trace
 from fxopt.core.state import preserved_state
 from fxopt.measure.peaks import measure_train_step
 from fxopt.planning.solver import FULL, SELECTIVE, CheckpointPlan, Region
-from fxopt.runtime.regions import CheckpointedRegion
+from fxopt.runtime.regions import CheckpointedRegion, call_region, region_inputs
 from fxopt.verify.equivalence import verify
 from fxopt.passes.checkpoint import apply_plan
 
@@ -69,7 +69,8 @@ def test_golden_graphs_of_the_region_form(model_and_input):
     model, x = model_and_input
     gm = planned(model, x, 0, 7, SELECTIVE, kept=(0, 4))
     region = gm._fxopt_region_0
-    assert [n.name for n in gm.graph.nodes if n.op in CALLS] == ["call_region", "mean", "head"]
+    assert [n.name for n in gm.graph.nodes if n.op in CALLS] == [
+        "region_inputs", "call_region", "mean", "head"]
     assert region.targets == ("conv1", "bn1", "drop", "conv2", "bn2")
     assert (region.selective, region.random, region.shield) == (True, False, False)
     assert compact(region.body, gm) == "\n".join([
@@ -455,3 +456,21 @@ def test_the_planner_prices_a_region_as_the_device_runs_it(model_and_input):
     assert region_costs(gm) == (per_call, per_saved)  # measured once per process
     problem, _ = build_problem(gm, profile=False)
     assert (problem.region_seconds, problem.saved_seconds) == NOMINAL_REGION_COSTS["cpu"]
+
+
+def test_a_boxed_body_takes_its_inputs_out_of_the_list_whatever_their_names():
+    """Without grad a boxed region runs code generated from its body's graph that unpacks the
+    list and empties it; inputs named like the list's usual names still unpack."""
+    graph = fx.Graph()
+    first, second = graph.placeholder("inputs"), graph.placeholder("args_list")
+    graph.output(graph.call_function(torch.mul, (first, second)))
+    region = CheckpointedRegion(fx.GraphModule(nn.Module(), graph), selective=False, targets=(),
+                                boxed=True)
+    a, b = torch.randn(3), torch.randn(3)
+    box = region_inputs(a, b)
+    with torch.no_grad():
+        out = call_region(region, box)
+    assert box == [] and torch.equal(out, a * b)
+    box = region_inputs(a.requires_grad_(), b)  # a training forward takes them out too
+    call_region(region, box).sum().backward()
+    assert box == [] and torch.equal(a.grad, b)

@@ -11,7 +11,8 @@ The block of a node is read off the module stack both capture frontends record
 (``node.meta["nn_module_stack"]``); a node traced in the root's own forward has none. A node a
 pass made (``meta["fxopt_pass"]``) and an item of a multi-output call run in the block their
 inputs come from when they all agree on one, else at the root. A region call runs in the one
-block all of its body's nodes run in.
+block all of its body's nodes run in, and so does the hand-over of its inputs
+(``region_inputs``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import operator
 from torch import fx, nn
 
 from fxopt.core import meta_keys
-from fxopt.runtime.regions import CheckpointedRegion, call_region
+from fxopt.runtime.regions import CheckpointedRegion, call_region, region_inputs
 
 
 def repeated_block(root: nn.Module, node: fx.Node) -> str | None:
@@ -64,6 +65,9 @@ def node_blocks(root: nn.Module, graph: fx.Graph) -> dict[fx.Node, str | None]:
             blocks[node] = repeated_block(root, node)
         elif node.op == "call_function" and node.target is call_region:
             blocks[node] = _region_block(root, node)
+            box = node.args[1] if len(node.args) > 1 else None
+            if isinstance(box, fx.Node) and box.target is region_inputs:
+                blocks[box] = blocks[node]  # the hand-over runs where the region does
         elif meta_keys.PASS in node.meta or node.target is operator.getitem:
             found = {blocks[a] for a in node.all_input_nodes if a.op != "get_attr"}
             blocks[node] = found.pop() if len(found) == 1 else None

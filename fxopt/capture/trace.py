@@ -70,7 +70,7 @@ from fxopt.runtime.chunked_mlp import chunked_mlp
 from fxopt.runtime.embedding_rows import embedding_rows
 from fxopt.runtime.devices import on_device, tensor_device
 from fxopt.runtime.input_guard import InputGuard, guard_inputs
-from fxopt.runtime.regions import CheckpointedRegion, call_region
+from fxopt.runtime.regions import CheckpointedRegion, call_region, region_inputs
 from fxopt.runtime.scoped import autocast_scope, grad_mode_scope
 
 
@@ -115,12 +115,14 @@ class _FallbackTracer(fx.Tracer):
     class (every submodule a leaf), so an optimized module saved with ``torch.save`` loads back."""
 
     def __init__(self, forced_leaves: frozenset[str] | set[str] = frozenset()):
-        # A graph fxopt already checkpointed calls call_region(self._fxopt_region_0, ...), one
-        # with a chunked loss calls its autograd function, and one captured by export may call
-        # a grad-mode or autocast scope: recorded as those calls, not traced through (which
-        # would drop the checkpointing, the loss's own backward or the scope).
-        super().__init__(autowrap_functions=(call_region, guard_inputs, grad_mode_scope,
-                                             autocast_scope, tensor_device, on_device,
+        # A graph fxopt already checkpointed calls call_region(self._fxopt_region_0, ...) on a
+        # region_inputs(...) list, one with a chunked loss calls its autograd function, and one
+        # captured by export may call a grad-mode or autocast scope: recorded as those calls,
+        # not traced through (which would drop the checkpointing, the loss's own backward or
+        # the scope).
+        super().__init__(autowrap_functions=(call_region, region_inputs, guard_inputs,
+                                             grad_mode_scope, autocast_scope, tensor_device,
+                                             on_device,
                                              embedding_rows, chunked_mlp, *CHUNKED_LOSS_CALLS))
         self.forced_leaves = forced_leaves
         self.hooked: dict[str, nn.Module] = {}  # path -> module made a leaf for its hooks

@@ -53,7 +53,7 @@ from fxopt.export.blocks import (
 from fxopt.export.module_tree import TreeWriter, called_modules
 from fxopt.export.names import Imports
 from fxopt.runtime.input_guard import InputGuard
-from fxopt.runtime.regions import CheckpointedRegion
+from fxopt.runtime.regions import CheckpointedRegion, boxed_graph
 
 # The method an exported module runs in eval mode when its forward depends on self.training
 # (see fxopt.graph.train_eval): the eval-mode graph, generated like forward.
@@ -191,9 +191,12 @@ _REGION_GRAPHS = {"forward": ("_RegionForward", "The forward of a selective chec
 def _region_source(region: CheckpointedRegion, classes: _Classes, imports: Imports,
                    where: str) -> str:
     """The constructor call that rebuilds ``region`` from code-only classes of its graphs."""
+    methods = _methods(region.body.graph, None, imports, where)
+    if region.boxed:  # what the region runs with grad disabled: inputs freed at their last use
+        methods += "\n\n" + imports.forward_source(boxed_graph(region.body.graph),
+                                                    f"{where} (boxed)", name="boxed_forward")
     body = classes.add("_RegionBody", "The body of a checkpointed region: code run over the "
-                       "state its call site passes.", _methods(region.body.graph, None, imports,
-                                                               where))
+                       "state its call site passes.", methods)
     arguments = [f"{body}()", f"selective={bool(region.selective)!r}",
                  f"targets={region.targets!r}"]
     for argument, (name, doc) in _REGION_GRAPHS.items():
@@ -203,7 +206,8 @@ def _region_source(region: CheckpointedRegion, classes: _Classes, imports: Impor
         elif graph_module is not None:
             code = _methods(graph_module.graph, None, imports, f"{where} ({argument})")
             arguments.append(f"{argument}={classes.add(name, doc, code)}()")
-    arguments += [f"random={bool(region.random)!r}", f"shield={bool(region.shield)!r}"]
+    arguments += [f"random={bool(region.random)!r}", f"shield={bool(region.shield)!r}",
+                  f"boxed={bool(region.boxed)!r}"]
     return f"{imports.reference(type(region), where)}({', '.join(arguments)})"
 
 

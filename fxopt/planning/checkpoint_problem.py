@@ -23,7 +23,7 @@ from fxopt.core.training_setup import TrainingSetup
 from fxopt.planning.solver import CheckpointProblem, NodeInfo
 from fxopt.runtime.fused_step import FusedOptimizers, fused_parameters
 from fxopt.runtime.input_guard import guard_inputs
-from fxopt.runtime.regions import call_region
+from fxopt.runtime.regions import call_region, region_inputs
 
 _CALL_OPS = ("call_function", "call_method", "call_module")
 
@@ -228,7 +228,7 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True,
             heavy=costs[node].heavy if node in costs else False,
             # A region is not checkpointed again; the input guard runs once, before any region;
             # a write into an input, a parameter or a buffer read later must happen once.
-            recomputable=(node.target not in (call_region, guard_inputs)
+            recomputable=(node.target not in (call_region, region_inputs, guard_inputs)
                           and not writes_state(gm, written, roots)),
             mutates=rep[mutated].name if mutated is not None and rep.get(mutated) else None,
             grad_bytes=grads.get(node, 0),

@@ -1,8 +1,10 @@
 """Run a piece of a graph under activation checkpointing, without side effects on recompute.
 
 ``CheckpointedRegion(body, targets=..., selective=..., recompute=..., ...)`` is what a
-checkpointed region of an optimized graph calls: ``call_region(self._fxopt_region_0, x,
-self.conv1, self.bn1)``. The body is code only: a GraphModule whose ``forward`` reads
+checkpointed region of an optimized graph calls: ``inputs = region_inputs(x)``, then
+``call_region(self._fxopt_region_0, inputs, self.conv1, self.bn1)``. The call site hands the
+region's inputs over in a list (``boxed``): ``x``'s last use in the graph is the hand-over, so the
+graph's code drops it there, and the region empties the list. The body is code only: a GraphModule whose ``forward`` reads
 ``self.conv1`` & co., run with a ``RootState`` as ``self`` that holds what the root graph looked
 up for each of ``targets`` *in this call*. So every parameter, buffer, submodule and constant a
 region uses is resolved through the root module when the graph runs, never held by the region:
@@ -14,9 +16,11 @@ behaviour, and how modules saved by fxopt 0.1 load.)
 Three graphs, built when the model is optimized (``fxopt.rewrite.region_graphs``):
 
 - ``body``: the region as it was in the model's graph. Run as it is with grad disabled (nothing is
-  recomputed, but the region's inputs stay alive until the call returns, so an inference peak can
-  grow by one input: ``tests/test_checkpoint.py`` records this as an expected failure), and under
-  ``torch.compile``.
+  recomputed), through code generated from its graph with the boxed calling convention
+  (``forward(self, inputs)`` takes its inputs out of the list and empties it), so each input is
+  freed at its last use in the body, as in the unoptimized graph: inference pays nothing (an
+  exported module's body, code only, carries that code as its ``boxed_forward``). Under
+  ``torch.compile`` the body runs as it is.
 - ``forward`` (selective regions only): the body that also returns the outputs of the nodes the
   plan keeps (convolutions, matmuls), each run between ``enter_kept`` and ``leave_kept``.
 - ``recompute``: what backward runs again: the body without the kept nodes (it reads their kept
@@ -54,7 +58,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -213,9 +218,12 @@ class CheckpointedRegion:
     ``random``: whether the region draws random numbers (its RNG state is stashed for the
     recomputation); ``shield``: whether the recomputation runs on copies of the buffers it reads
     (``buffers_shielded``), for a region writing buffers its recompute graph cannot leave alone.
+    ``boxed``: the call site passes the body's inputs as one list (``region_inputs``), which the
+    region empties; else one by one, as regions pickled before it existed are called.
     """
 
     targets: tuple[str, ...] | None = None  # regions pickled before targets existed hold state
+    boxed: bool = False  # regions pickled before call sites handed inputs over take them as is
     forward: torch.nn.Module | None = None
     recompute: torch.nn.Module | None = None  # regions pickled before it existed: torch's checkpoint
     random: bool = True
@@ -224,8 +232,9 @@ class CheckpointedRegion:
     def __init__(self, body: torch.nn.Module, *, selective: bool,
                  targets: tuple[str, ...] | None = None, forward: torch.nn.Module | None = None,
                  recompute: torch.nn.Module | None = None, random: bool = True,
-                 shield: bool = True):
+                 shield: bool = True, boxed: bool = False):
         self.body = body
+        self.boxed = boxed
         self.selective = selective
         self.targets = None if targets is None else tuple(targets)
         self.forward = forward
@@ -239,8 +248,26 @@ class CheckpointedRegion:
             return self.body(*inputs)
         return type(self.body).forward(reads, *inputs)
 
+    def run_boxed(self, reads: Any, box: list) -> Any:
+        """The body's forward on the inputs in ``box``, which it empties, so that with grad
+        disabled each input is freed at its last use in the body (a code-only body without a
+        ``boxed_forward`` holds them until it returns)."""
+        forward = _boxed_forward(self.body)
+        if forward is not None:
+            return forward(reads, box)
+        inputs = tuple(box)
+        box.clear()
+        return self.run(reads, *inputs)
+
     def __call__(self, *args: Any) -> Any:
-        if self.targets is None:
+        if self.boxed:
+            box, state = args[0], args[1:]
+            reads = self.body if self.targets is None else RootState(self.targets, state)
+            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                return self.run_boxed(reads, box)
+            inputs = tuple(box)
+            box.clear()
+        elif self.targets is None:
             inputs, reads = args, self.body
         else:
             split = len(args) - len(self.targets)
@@ -293,8 +320,65 @@ def _graph_forward(graph_module: torch.nn.Module, reads: Any, *args: Any) -> Any
 
 
 def call_region(region: CheckpointedRegion, *args: Any) -> Any:
-    """The graph's call site of a region: ``call_region(self._fxopt_region_0, x, self.conv1)``."""
+    """The graph's call site of a region: ``call_region(self._fxopt_region_0, inputs,
+    self.conv1)`` (``inputs = region_inputs(x)``; a region pickled before that: ``x`` itself)."""
     return region(*args)
+
+
+def region_inputs(*values: Any) -> list:
+    """A boxed region's inputs, handed over in a list the region empties: the graph's code drops
+    each value after its last use, which is this call, so no local of the graph holds it while the
+    region runs."""
+    return list(values)
+
+
+class _BoxedCode(torch.fx.CodeGen):
+    """torch.fx code generation with the boxed calling convention: ``forward(self, <list>)``
+    unpacks its inputs from the list and empties it. The list's name is one no graph value takes
+    (a model's own input may well be called ``inputs``)."""
+
+    LIST = "_fxopt_region_inputs"
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, **_: Any) -> str:
+        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
+        unpack = f"\n    {', '.join(names)}, = {self.LIST}" if names else ""
+        return (f"def forward(self, {self.LIST}){maybe_return_annotation}:{unpack}"
+                f"\n    {self.LIST}.clear()")
+
+
+def boxed_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` whose generated code takes its inputs as one list and empties it."""
+    boxed = torch.fx.Graph()
+    boxed.output(boxed.graph_copy(graph, {}))
+    boxed.set_codegen(_BoxedCode())
+    return boxed
+
+
+# body -> (the body's code when generated, its boxed forward): generated once per body, dropped
+# with it; a body whose graph was edited and recompiled since gets new code.
+_BOXED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _boxed_forward(body: torch.nn.Module) -> Callable[[Any, list], Any] | None:
+    """``body``'s forward as a boxed function of (self, inputs list): an exported body's own
+    ``boxed_forward`` (``fxopt.export`` writes it), else code generated from its graph; None for
+    a body with neither."""
+    written = getattr(type(body), "boxed_forward", None)
+    if written is not None:
+        return written
+    graph = getattr(body, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return None
+    code = body.code
+    cached = _BOXED.get(body)
+    if cached is not None and cached[0] is code:
+        return cached[1]
+    generated = boxed_graph(graph).python_code("self")
+    namespace = dict(generated.globals)
+    exec(compile(generated.src, f"<fxopt boxed region body {type(body).__name__}>", "exec"),
+         namespace)
+    _BOXED[body] = (code, namespace["forward"])
+    return namespace["forward"]
 
 
 # The batch-norm classes whose training-mode forward is ``F.batch_norm`` over their buffers and a
