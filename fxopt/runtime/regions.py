@@ -1,17 +1,17 @@
 """Run a piece of a graph under activation checkpointing, without side effects on recompute.
 
-``CheckpointedRegion(body, targets=..., selective=..., recompute=..., ...)`` is what a
-checkpointed region of an optimized graph calls: ``inputs = region_inputs(x)``, then
+``CheckpointedRegion(body, targets=..., selective=..., recompute=..., ...)`` is what a checkpointed
+region of an optimized graph calls: ``inputs = region_inputs(x)``, then
 ``call_region(self._fxopt_region_0, inputs, self.conv1, self.bn1)``. The call site hands the
 region's inputs over in a list (``boxed``): ``x``'s last use in the graph is the hand-over, so the
-graph's code drops it there, and the region empties the list. The body is code only: a GraphModule whose ``forward`` reads
-``self.conv1`` & co., run with a ``RootState`` as ``self`` that holds what the root graph looked
-up for each of ``targets`` *in this call*. So every parameter, buffer, submodule and constant a
-region uses is resolved through the root module when the graph runs, never held by the region:
-``load_state_dict(assign=True)``, ``.to()``, replacing a Parameter, ``deepcopy`` and FSDP2's
-parameter swap reach the region as they reach the rest of the graph. (A region built with
-``targets=None`` runs ``body`` as a module that holds its own state: torch.utils.checkpoint's plain
-behaviour, and how modules saved by fxopt 0.1 load.)
+graph's code drops it there, and the region empties the list. The body is code only: a GraphModule
+whose ``forward`` reads ``self.conv1`` & co., run with a ``RootState`` as ``self`` that holds what
+the root graph looked up for each of ``targets`` *in this call*. So every parameter, buffer,
+submodule and constant a region uses is resolved through the root module when the graph runs, never
+held by the region: ``load_state_dict(assign=True)``, ``.to()``, replacing a Parameter, ``deepcopy``
+and FSDP2's parameter swap reach the region as they reach the rest of the graph. (A region built
+with ``targets=None`` runs ``body`` as a module that holds its own state: torch.utils.checkpoint's
+plain behaviour, and how modules saved by fxopt 0.1 load.)
 
 Three graphs, built when the model is optimized (``fxopt.rewrite.region_graphs``):
 
