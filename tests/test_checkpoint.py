@@ -279,6 +279,17 @@ def test_inference_peak_is_the_unoptimized_one(model_and_input):
         gm.fxopt_report.predicted_before.inference_bytes
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inference_peak_is_the_unoptimized_one_on_cuda():
+    """The same on a GPU, read off the caching allocator (cuDNN's workspaces included): the
+    regions' inputs are freed inside them, so the optimized module allocates no more."""
+    torch.manual_seed(0)
+    model, x = conv_stack().cuda(), torch.randn(4, 3, 32, 32, device="cuda")
+    gm = fxopt.optimize(model, x, passes=[("checkpoint", {"budget": 0.5, "profile": False})])
+    assert gm.fxopt_report.passes[0].modified
+    assert measure_inference(gm, x).peak_bytes == measure_inference(trace(model, x), x).peak_bytes
+
+
 def test_roofline_costs_run_no_compute_and_plan_the_same_every_time(model_and_input, monkeypatch):
     """``profile=False``: one plan on every run (and every DDP rank), nothing timed for real."""
     def no_timing(gm):
