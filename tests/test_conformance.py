@@ -5,7 +5,9 @@ CNN with BatchNorm, captured by symbolic tracing and by torch.export) and each p
 default, ``memory_budget="min"``), every operation a training script applies to a module is
 applied to the user's model and to the optimized one alike; then one training step of each must
 give the same loss and the same gradient for every parameter (float tolerance), and the same
-BatchNorm buffers. An operation fxopt does not serve must raise an ``FxoptError`` before any
+BatchNorm buffers, and a forward without grad the same loss (under ``"min"`` that runs the
+checkpointed regions' boxed code, which frees each input at its last use). An error half-way
+through a forward, with or without grad, leaves nothing behind. An operation fxopt does not serve must raise an ``FxoptError`` before any
 compute instead (the test names which: a dtype change of an export-captured module).
 """
 
@@ -17,11 +19,13 @@ import io
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxopt
 from fxopt.core.errors import InputError
 from fxopt.core.torch_private import forward_pre_hooks
 from fxopt.integrations.fsdp import refuse_uncalled_shards
+from fxopt.runtime.regions import CheckpointedRegion
 
 transformers = pytest.importorskip("transformers")
 
@@ -116,7 +120,15 @@ def _step(module, inputs):
     return loss.detach(), grads, {n: b.clone() for n, b in module.named_buffers()}
 
 
+def _loss_without_grad(module, inputs):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        return _loss(module(**inputs))
+
+
 def _assert_same_step(slim, model, inputs, *, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(_loss_without_grad(slim, inputs), _loss_without_grad(model, inputs),
+                               rtol=rtol, atol=atol, msg=lambda m: f"without grad: {m}")
     loss, grads, buffers = _step(slim, inputs)
     ref_loss, ref_grads, ref_buffers = _step(model, inputs)
     torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
@@ -204,6 +216,63 @@ def test_a_forward_hook_on_the_model_survives_deepcopies_as_on_the_model():
         reference.train(mode)
         torch.testing.assert_close(twice(x), reference(x))
     assert _guards(twice) == 1
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+class _FailAt(TorchDispatchMode):
+    """Counts ATen calls; raises ``_Injected`` at call number ``at`` (never when None)."""
+
+    def __init__(self, at: int | None = None):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if self.calls == self.at:
+            raise _Injected(f"injected at {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_an_error_mid_call_leaves_nothing_behind(pair, grad, monkeypatch):
+    """An exception at an ATen call half-way through a forward (under ``"min"``, half-way
+    through the first checkpointed region's body, boxed without grad): the module's state put
+    back as a script would after catching it, the next forward and step compute what the model's
+    do."""
+    model, slim, inputs = _copies(pair)
+    state = copy.deepcopy(slim.state_dict())
+    counting = _FailAt()
+    inside: list[int] = []  # the ATen call numbers the first region's body made
+    region_call = CheckpointedRegion.__call__
+
+    def counted(region, *args):
+        start = counting.calls
+        try:
+            return region_call(region, *args)
+        finally:
+            inside.extend([start, counting.calls] if not inside else [])
+
+    def forward():
+        torch.manual_seed(0)
+        with torch.set_grad_enabled(grad):
+            slim(**inputs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CheckpointedRegion, "__call__", counted)
+        with counting:
+            forward()
+    regions = any(isinstance(v, CheckpointedRegion) for m in slim.modules()
+                  for v in vars(m).values())
+    assert bool(inside) == regions
+    at = (inside[0] + inside[1]) // 2 + 1 if regions else counting.calls // 2
+    with pytest.raises(_Injected) as caught, _FailAt(at):
+        forward()
+    assert regions == any(str(entry.path).endswith("regions.py") for entry in caught.traceback)
+    slim.load_state_dict(state)  # BatchNorm statistics the forwards moved: the script's own
+    _assert_same_step(slim, model, inputs)
 
 
 @pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
