@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
-from torch.fx.graph import CodeGen, _BoxedCodeGen
+from torch.fx.graph import CodeGen
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.multiprocessing.reductions import StorageWeakRef  # undocumented, on a public path
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
@@ -172,11 +172,6 @@ def graph_module_class_members(cls: type) -> dict[str, Any]:
     return {k: v for k, v in vars(cls).items() if k not in _GRAPH_MODULE_CLASS_INTERNALS}
 
 
-def boxed_codegen() -> CodeGen:
-    """The boxed calling convention's code generator: ``forward(args_list)`` empties the list."""
-    return _BoxedCodeGen()
-
-
 def storage_id(storage: torch.UntypedStorage) -> int:
     """An id of the storage itself, equal for every tensor (and view) on it while it is alive.
     ``id(t.untyped_storage())`` is not: each call makes a new Python object."""
@@ -301,7 +296,6 @@ __all__ = [
     "RNN_WEIGHT_CACHES",
     "TorchDispatchMode",
     "TreeSpec",
-    "boxed_codegen",
     "codegen_of",
     "compile_backend",
     "compiled_modules",

@@ -53,7 +53,8 @@ from fxopt.export.blocks import (
 from fxopt.export.module_tree import TreeWriter, called_modules
 from fxopt.export.names import Imports
 from fxopt.runtime.input_guard import InputGuard
-from fxopt.runtime.regions import CheckpointedRegion, boxed_graph
+from fxopt.runtime.boxed import boxed_graph
+from fxopt.runtime.regions import CheckpointedRegion
 
 # The method an exported module runs in eval mode when its forward depends on self.training
 # (see fxopt.graph.train_eval): the eval-mode graph, generated like forward.

@@ -3,7 +3,7 @@
 FX's generated code drops every value after its last use -- except the inputs, which the caller
 still holds: ``model(x)`` keeps ``x`` alive for the whole call through the argument tuple. With
 ``release_inputs(gm)`` the caller hands its inputs over in a list, ``boxed([x])``; the forward
-takes them out and empties the list (PyTorch's *boxed* calling convention, used by AOTAutograd),
+takes them out and empties the list (PyTorch's *boxed* calling convention, used by AOTAutograd; ``fxopt.runtime.boxed``),
 so an input is freed right after its last use inside the forward when nothing else refers to it.
 
 The returned GraphModule shares ``gm``'s module tree (parameters, buffers, submodules: the user's
@@ -23,7 +23,8 @@ from torch import fx
 from fxopt.graph.graphs import graph_module_like
 from fxopt.graph.train_eval import has_eval_graph
 from fxopt.core.errors import ConfigError
-from fxopt.core.torch_private import boxed_codegen, codegen_of, has_plain_codegen
+from fxopt.core.torch_private import codegen_of, has_plain_codegen
+from fxopt.runtime.boxed import boxed_graph
 
 
 def release_inputs(gm: fx.GraphModule) -> fx.GraphModule:
@@ -34,10 +35,6 @@ def release_inputs(gm: fx.GraphModule) -> fx.GraphModule:
         raise ConfigError(f"release_inputs cannot rewrite {type(gm).__name__}: {why}",
                           hint="call the module normally; its inputs are then freed when the "
                           "caller drops them")
-    graph = fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
-    graph.set_codegen(boxed_codegen())
-    boxed = graph_module_like(gm, graph)
+    boxed = graph_module_like(gm, boxed_graph(gm.graph))
     boxed.meta.update(gm.meta)
     return boxed

@@ -5,6 +5,9 @@
   outputs the plan names, BatchNorm is recomputed without touching its buffers, dropout by RNG
   replay), and ``HEAVY_ATEN_OPS``: the ops whose nodes the planner's cost model calls heavy
   (kept by a selective region), and which SAC keeps under ``torch.compile``.
+- ``boxed``: code generated with the boxed calling convention (a forward that takes its inputs
+  in a list and empties it), which a region runs without grad (``region_inputs`` hands its
+  inputs over) and ``fxopt.rewrite.boxed.release_inputs`` gives a whole module.
 - ``region_frame``: what a region runs in a training step: saved-tensor hooks that save nothing
   and the recomputation that fills them in backward.
 - ``eval_forward``: the eval-mode graph a module with a graph per training mode dispatches to.

@@ -69,6 +69,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from .boxed import boxed_graph
 from .region_frame import (  # noqa: F401 -- enter_kept, leave_kept: called by forward graphs
     RegionFrame,
     _autocast_state,
@@ -255,18 +256,14 @@ class CheckpointedRegion:
         forward = _boxed_forward(self.body)
         if forward is not None:
             return forward(reads, box)
-        inputs = tuple(box)
-        box.clear()
-        return self.run(reads, *inputs)
+        return self.run(reads, *_taken(box))
 
     def __call__(self, *args: Any) -> Any:
-        if self.boxed:
-            box, state = args[0], args[1:]
-            reads = self.body if self.targets is None else RootState(self.targets, state)
+        if self.boxed:  # the checkpoint pass gives every boxed region its targets
+            box, reads = args[0], RootState(self.targets, args[1:])
             if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
                 return self.run_boxed(reads, box)
-            inputs = tuple(box)
-            box.clear()
+            inputs = _taken(box)
         elif self.targets is None:
             inputs, reads = args, self.body
         else:
@@ -332,26 +329,11 @@ def region_inputs(*values: Any) -> list:
     return list(values)
 
 
-class _BoxedCode(torch.fx.CodeGen):
-    """torch.fx code generation with the boxed calling convention: ``forward(self, <list>)``
-    unpacks its inputs from the list and empties it. The list's name is one no graph value takes
-    (a model's own input may well be called ``inputs``)."""
-
-    LIST = "_fxopt_region_inputs"
-
-    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, **_: Any) -> str:
-        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
-        unpack = f"\n    {', '.join(names)}, = {self.LIST}" if names else ""
-        return (f"def forward(self, {self.LIST}){maybe_return_annotation}:{unpack}"
-                f"\n    {self.LIST}.clear()")
-
-
-def boxed_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """A copy of ``graph`` whose generated code takes its inputs as one list and empties it."""
-    boxed = torch.fx.Graph()
-    boxed.output(boxed.graph_copy(graph, {}))
-    boxed.set_codegen(_BoxedCode())
-    return boxed
+def _taken(box: list) -> tuple:
+    """The inputs in ``box``, which is left empty."""
+    inputs = tuple(box)
+    box.clear()
+    return inputs
 
 
 # body -> (the body's code when generated, its boxed forward): generated once per body, dropped
