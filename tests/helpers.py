@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxopt.capture.chain import capture as capture_model
 from fxopt.measure.peaks import measure_train_step
@@ -228,3 +229,21 @@ def assert_same_step(got: tuple, expected: tuple, *, buffer_tolerance: dict | No
     for name, value in got[2].items():
         torch.testing.assert_close(value, expected[2][name], **(buffer_tolerance or {}),
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+class Injected(RuntimeError):
+    pass
+
+
+class FailAt(TorchDispatchMode):
+    """Counts ATen calls; raises ``Injected`` at call number ``at`` (never when ``at`` is None)."""
+
+    def __init__(self, at: int | None = None):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if self.calls == self.at:
+            raise Injected(f"injected at {func}")
+        return func(*args, **(kwargs or {}))

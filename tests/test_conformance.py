@@ -19,9 +19,9 @@ import io
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxopt
+from helpers import FailAt, Injected
 from fxopt.core.errors import InputError
 from fxopt.core.torch_private import forward_pre_hooks
 from fxopt.integrations.fsdp import refuse_uncalled_shards
@@ -218,24 +218,6 @@ def test_a_forward_hook_on_the_model_survives_deepcopies_as_on_the_model():
     assert _guards(twice) == 1
 
 
-class _Injected(RuntimeError):
-    pass
-
-
-class _FailAt(TorchDispatchMode):
-    """Counts ATen calls; raises ``_Injected`` at call number ``at`` (never when None)."""
-
-    def __init__(self, at: int | None = None):
-        super().__init__()
-        self.at, self.calls = at, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        if self.calls == self.at:
-            raise _Injected(f"injected at {func}")
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_an_error_mid_call_leaves_nothing_behind(pair, grad, monkeypatch):
     """An exception at an ATen call half-way through a forward (under ``"min"``, half-way
@@ -244,7 +226,7 @@ def test_an_error_mid_call_leaves_nothing_behind(pair, grad, monkeypatch):
     do."""
     model, slim, inputs = _copies(pair)
     state = copy.deepcopy(slim.state_dict())
-    counting = _FailAt()
+    counting = FailAt()
     inside: list[int] = []  # the ATen call numbers the first region's body made
     region_call = CheckpointedRegion.__call__
 
@@ -268,7 +250,7 @@ def test_an_error_mid_call_leaves_nothing_behind(pair, grad, monkeypatch):
                   for v in vars(m).values())
     assert bool(inside) == regions
     at = (inside[0] + inside[1]) // 2 + 1 if regions else counting.calls // 2
-    with pytest.raises(_Injected) as caught, _FailAt(at):
+    with pytest.raises(Injected) as caught, FailAt(at):
         forward()
     assert regions == any(str(entry.path).endswith("regions.py") for entry in caught.traceback)
     slim.load_state_dict(state)  # BatchNorm statistics the forwards moved: the script's own

@@ -13,28 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxopt
+from helpers import FailAt, Injected
 from fxopt.runtime.scoped import grad_mode_scope
-
-
-class Injected(RuntimeError):
-    pass
-
-
-class FailAt(TorchDispatchMode):
-    """Counts ATen calls; raises ``Injected`` at call number ``at`` (never when ``at`` is None)."""
-
-    def __init__(self, at: int | None = None):
-        super().__init__()
-        self.at, self.calls = at, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        if self.calls == self.at:
-            raise Injected(f"injected at {func}")
-        return func(*args, **(kwargs or {}))
 
 
 class WithNoGrad(nn.Module):
