@@ -134,7 +134,7 @@ from fxopt.core import meta_keys
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy
 from fxopt.core.state import preserved_state
-from fxopt.core.torch_private import size_oblivious_export
+from fxopt.core.torch_private import fake_tensor_cache_off, size_oblivious_export
 from fxopt.runtime.input_guard import InputGuard, TensorSpec, guard_inputs
 
 _ATTRIBUTE_PREFIX = "_fxopt_export_"
@@ -228,7 +228,8 @@ def _export(shell: nn.Module, call: _Call, example: tuple, mode: str, training: 
                         for leaf, t in enumerate(example)),)
     sizes = size_oblivious_export() if mode == "oblivious" else contextlib.nullcontext()
     try:
-        with training_flags(wrapper, training), user_checkpoints_refused(), sizes:
+        with (training_flags(wrapper, training), user_checkpoints_refused(), sizes,
+              fake_tensor_cache_off()):
             program = torch.export.export(wrapper, example, dynamic_shapes=shapes, strict=False)
     except Exception as error:
         if _caused_by(error, UserCheckpoint):
