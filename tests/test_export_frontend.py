@@ -135,6 +135,25 @@ def test_batch_and_length_are_dynamic_and_a_batch_of_one_is_served(gpt):
         gm(idx.to(torch.int32))
 
 
+def test_every_trace_runs_without_the_fake_tensor_cache(monkeypatch):
+    """Under symbolic sizes FakeTensor's cache costs more than it saves (a quarter of a small
+    Hugging Face model's capture): each torch.export trace turns it off, and it is back on
+    afterwards for the predictions, which run at static sizes where it pays."""
+    import torch._dynamo.config as dynamo_config
+
+    seen, export = [], torch.export.export
+
+    def recording(*args, **kwargs):
+        seen.append(dynamo_config.fake_tensor_cache_enabled)
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", recording)
+    torch.manual_seed(0)
+    capture_with_export(GPT(layers=1), (torch.randint(0, VOCAB, (4, 8)),))
+    assert len(seen) >= 3 and not any(seen), seen  # train, eval, a batch of one
+    assert dynamo_config.fake_tensor_cache_enabled
+
+
 class FixedBatch(nn.Module):
     def __init__(self):
         super().__init__()
