@@ -136,8 +136,8 @@ def test_batch_and_length_are_dynamic_and_a_batch_of_one_is_served(gpt):
 
 
 def test_every_trace_runs_without_the_fake_tensor_cache(monkeypatch):
-    """Under symbolic sizes FakeTensor's cache costs more than it saves (a quarter of a small
-    Hugging Face model's capture): each torch.export trace turns it off, and it is back on
+    """Under symbolic sizes FakeTensor's cache can cost more than it saves (up to a quarter of a
+    small Hugging Face model's capture): each torch.export trace turns it off, and it is back on
     afterwards for the predictions, which run at static sizes where it pays."""
     import torch._dynamo.config as dynamo_config
 

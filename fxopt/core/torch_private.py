@@ -347,11 +347,12 @@ def size_oblivious_export() -> contextlib.AbstractContextManager:
 def fake_tensor_cache_off() -> contextlib.AbstractContextManager:
     """Inside, FakeTensor dispatches without its operator cache
     (``torch._dynamo.config.fake_tensor_cache_enabled``). Under torch.export's symbolic sizes a
-    cache hit rebuilds its output's sizes and strides by SymInt arithmetic, which costs more
+    cache hit rebuilds its output's sizes and strides by SymInt arithmetic, which can cost more
     than the dispatch it saves: fxopt's capture of a random-init Hugging Face Llama took a
-    median 5.74 s with the cache and 4.25 s without (2 layers), 18.7 s and 16.2 s (12 layers),
-    GPT-2 6.43 s and 5.15 s (2 layers; one CPU thread, interleaved runs, 2026-11-29). The graph
-    is the same op for op; only the names of a few nodes differ. Fake runs at static sizes
+    median 5.74 s with the cache and 4.25 s without (2 layers of width 64), 18.7 s and 16.2 s
+    (12 layers), 6.20 s and 5.44 s (4 layers of width 512); a 6-layer GPT-2 10.72 s and 10.90 s
+    (one CPU thread, the settings alternated in one process, 2026-11-29). The graph is the same
+    op for op; only the names of a few nodes differ. Fake runs at static sizes
     (fxopt's predictions) keep the cache, where it is 2-4 times faster."""
     import torch._dynamo.config as dynamo_config
 
