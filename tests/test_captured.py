@@ -25,6 +25,7 @@ import fxopt
 import fxopt.passes as builtin_passes
 from device_mode import default_device_elsewhere, graphs_of
 from fxopt import models_zoo
+from fxopt.capture.reuse import reusable
 from fxopt.core import meta_keys
 
 # The default passes with checkpointing planned from the roofline: the same plan every run, so a
@@ -193,6 +194,7 @@ def test_a_capture_with_leaves_run_for_real_is_refused():
     model = nn.Sequential(nn.Linear(4, 4), Gate(), nn.Linear(4, 2))
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     captured = fxopt.capture_model(model, x)
+    assert not reusable(captured) and reusable(fxopt.capture_model(model[0], x))
     with pytest.raises(fxopt.ConfigError, match="opaque leaves \\(1\\)"):
         fxopt.optimize(model, x, captured=captured)
     assert fxopt.optimize(model, x).fxopt_report.verification.ok  # captured again: fine

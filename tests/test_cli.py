@@ -82,6 +82,37 @@ def test_report_prints_breakdown_and_lints_and_draws_the_plot(tmp_path, capsys):
     assert f"wrote {plot} (before peak" in out
 
 
+@needs_matplotlib
+def test_report_captures_the_model_once_and_plots_what_optimize_makes(tmp_path, capsys,
+                                                                        monkeypatch):
+    """The breakdown, the lints and the optimized module of the plot share one capture (on a
+    Hugging Face model a capture is three torch.export traces), and the plot's "after" peak is
+    that of the module a fresh ``fxopt.optimize`` builds."""
+    import fxopt
+    import fxopt.api
+    import fxopt.capture.reuse
+    from fxopt.cli.targets import load_target
+    from fxopt.measure.timeline import training_timeline
+
+    captures, real = [], fxopt.capture.reuse.capture_chain
+
+    def counted(*args, **kwargs):
+        captures.append(kwargs.get("capture"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fxopt.capture.reuse, "capture_chain", counted)
+    monkeypatch.setattr(fxopt.api, "capture_chain", counted)
+    code, out, err = run(["report", "zoo:transformer_block", "--memory-budget", "min", "--plot",
+                          str(tmp_path / "p.png")], capsys)
+    assert code == 0, err
+    assert captures == ["auto"], captures
+    monkeypatch.undo()
+    model, inputs = load_target("zoo:transformer_block")
+    fresh = fxopt.optimize(model, inputs, memory_budget="min")
+    after = training_timeline(fresh, inputs).peak_bytes / 2**20
+    assert f"after fxopt peak {after:.1f} MiB" in out, out
+
+
 def test_report_without_matplotlib(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now fails
     code, out, _ = run(["report", "zoo:mlp", "--no-plot", "--json"], capsys)

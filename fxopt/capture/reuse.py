@@ -99,6 +99,17 @@ def capture_model(model: nn.Module, example_inputs: Any = (), *,
     return gm
 
 
+def _taped_leaves(captured: fx.GraphModule) -> list[str]:
+    return [str(n.target) if n.op == "call_module" else n.name
+            for n in captured.graph.nodes if meta_keys.LEAF in n.meta]
+
+
+def reusable(captured: fx.GraphModule) -> bool:
+    """Whether ``captured`` (``capture_model``'s) can serve ``optimize(captured=...)`` while its
+    model stays as it is: not when opaque leaves recorded real runs on the model's values."""
+    return not _taped_leaves(captured)
+
+
 def reused_capture(captured: Any, model: nn.Module, args: tuple, *, capture: str,
                    leaf_modules: tuple[str, ...]) -> fx.GraphModule:
     """A copy of ``captured`` to optimize ``model`` on ``args`` from, or a ``ConfigError`` when
@@ -120,8 +131,7 @@ def reused_capture(captured: Any, model: nn.Module, args: tuple, *, capture: str
             f"capture={capture!r}, leaf_modules={tuple(leaf_modules)} differ from the capture's "
             f"(capture={record.capture!r}, leaf_modules={record.leaf_modules})", where=where,
             hint="pass the capture options to fxopt.capture_model, not to optimize")
-    taped = [str(n.target) if n.op == "call_module" else n.name
-             for n in captured.graph.nodes if meta_keys.LEAF in n.meta]
+    taped = _taped_leaves(captured)
     if taped:
         raise ConfigError(
             f"the capture of {name} keeps opaque leaves ({', '.join(taped)}) whose real runs "

@@ -358,7 +358,7 @@ def _optimize(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from fxopt.api import optimize
-    from fxopt.capture.chain import capture
+    from fxopt.capture.reuse import capture_model, reusable
     from fxopt.measure.advice import grouped, run_lints
     from fxopt.measure.breakdown import memory_breakdown
     from fxopt.measure.plot import missing_matplotlib, plot_timelines
@@ -370,7 +370,7 @@ def _report(args: argparse.Namespace) -> int:
     progress = _progress("fxopt report")
     steps = 4 if draw else 2
     progress(0, steps, "capturing")
-    traced = capture(model, inputs, capture=args.capture, leaf_modules=args.leaf_modules)
+    traced = capture_model(model, inputs, capture=args.capture, leaf_modules=args.leaf_modules)
     progress(1, steps, "measuring")
     breakdown = memory_breakdown(model, inputs, gm=traced, fused_optimizer=args.fused_optimizer)
     lints = run_lints(traced, inputs, for_inference=args.for_inference)
@@ -391,7 +391,8 @@ def _report(args: argparse.Namespace) -> int:
         optimized = optimize(model, inputs, passes=args.passes,
                              memory_budget=_budget(args.memory_budget), capture=args.capture,
                              fused_optimizer=args.fused_optimizer,
-                             leaf_modules=args.leaf_modules)
+                             leaf_modules=args.leaf_modules,
+                             captured=traced if reusable(traced) else None)  # one capture
         progress(3, steps, "timelines")
         timelines = [training_timeline(model, inputs, label="before"),
                      training_timeline(optimized, inputs, label="after fxopt")]
