@@ -13,7 +13,7 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -480,6 +480,20 @@ def _print_error(args: argparse.Namespace, error: Exception, code: int) -> None:
                                     "message": str(error), "exit_code": code}}, indent=2))
 
 
+@contextlib.contextmanager
+def _no_trainer_advice() -> Iterator[None]:
+    """Without ``TrainerCheckpointWarning``: its advice (``callbacks=[fxopt.pretrained_checkpoints()]``)
+    is for an optimized module a Python script hands to ``transformers.Trainer``, and no command
+    hands one over (``optimize --out`` writes a folder that loads without fxopt)."""
+    import warnings
+
+    from fxopt.integrations.hf_trainer import TrainerCheckpointWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TrainerCheckpointWarning)
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -494,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet = contextlib.nullcontext() if args.debug else quiet_fake_tensor_logs()
     target = args.target if isinstance(args.target, str) else ",".join(args.target)
     try:
-        with quiet, torch_threads(args.threads), progress.shown(True if args.progress else None):
+        with quiet, torch_threads(args.threads), progress.shown(True if args.progress else None), \
+                _no_trainer_advice():
             args.device = parse_device(args.device)
             with progress.phase(f"{args.command} {target}"):
                 return COMMANDS[args.command](args)
