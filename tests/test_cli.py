@@ -84,14 +84,19 @@ def test_report_prints_breakdown_and_lints_and_draws_the_plot(tmp_path, capsys):
 
 
 @needs_matplotlib
+@needs_matplotlib
 def test_report_captures_the_model_once_and_plots_what_optimize_makes(tmp_path, capsys,
                                                                         monkeypatch):
     """The breakdown, the lints and the optimized module of the plot share one capture (on a
     Hugging Face model a capture is three torch.export traces), and the plot's "after" peak is
-    that of the module a fresh ``fxopt.optimize`` builds."""
+    that of the module a fresh ``fxopt.optimize`` builds. The command's work runs with the
+    default device elsewhere (``meta``), the model and inputs on the CPU: a tensor made without
+    a device on the way (a CPU tensor beside CUDA ones, on a GPU) fails it."""
     import fxopt
     import fxopt.api
     import fxopt.capture.reuse
+    import fxopt.cli.targets
+    from device_mode import default_device_elsewhere
     from fxopt.cli.targets import load_target
     from fxopt.measure.timeline import training_timeline
 
@@ -101,10 +106,13 @@ def test_report_captures_the_model_once_and_plots_what_optimize_makes(tmp_path, 
         captures.append(kwargs.get("capture"))
         return real(*args, **kwargs)
 
+    loaded = load_target("zoo:transformer_block")
     monkeypatch.setattr(fxopt.capture.reuse, "capture_chain", counted)
     monkeypatch.setattr(fxopt.api, "capture_chain", counted)
-    code, out, err = run(["report", "zoo:transformer_block", "--memory-budget", "min", "--plot",
-                          str(tmp_path / "p.png")], capsys)
+    monkeypatch.setattr(fxopt.cli.targets, "load_target", lambda *args, **kwargs: loaded)
+    with default_device_elsewhere():
+        code, out, err = run(["report", "zoo:transformer_block", "--memory-budget", "min",
+                              "--plot", str(tmp_path / "p.png")], capsys)
     assert code == 0, err
     assert captures == ["auto"], captures
     monkeypatch.undo()
