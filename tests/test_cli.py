@@ -84,7 +84,6 @@ def test_report_prints_breakdown_and_lints_and_draws_the_plot(tmp_path, capsys):
 
 
 @needs_matplotlib
-@needs_matplotlib
 def test_report_captures_the_model_once_and_plots_what_optimize_makes(tmp_path, capsys,
                                                                         monkeypatch):
     """The breakdown, the lints and the optimized module of the plot share one capture (on a

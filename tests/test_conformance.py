@@ -7,8 +7,9 @@ applied to the user's model and to the optimized one alike; then one training st
 give the same loss and the same gradient for every parameter (float tolerance), and the same
 BatchNorm buffers, and a forward without grad the same loss (under ``"min"`` that runs the
 checkpointed regions' boxed code, which frees each input at its last use). An error half-way
-through a forward, with or without grad, leaves nothing behind. An operation fxopt does not serve must raise an ``FxoptError`` before any
-compute instead (the test names which: a dtype change of an export-captured module).
+through a forward, with or without grad, leaves nothing behind. An operation fxopt does not
+serve must raise an ``FxoptError`` before any compute instead (the test names which: a dtype
+change of an export-captured module).
 """
 
 from __future__ import annotations

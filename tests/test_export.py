@@ -14,9 +14,9 @@ from torch import nn
 import fxopt
 import fxopt.export.codegen
 from fxopt import models_zoo
+from fxopt.capture.trace import trace
 from fxopt.cli.targets import load_target
 from fxopt.export.writer import ExportBug, ExportError, export, load_exported
-from fxopt.capture.trace import trace
 from fxopt.measure.peaks import measure_inference
 
 TINY_NET = '''

@@ -482,9 +482,10 @@ def _print_error(args: argparse.Namespace, error: Exception, code: int) -> None:
 
 @contextlib.contextmanager
 def _no_trainer_advice() -> Iterator[None]:
-    """Without ``TrainerCheckpointWarning``: its advice (``callbacks=[fxopt.pretrained_checkpoints()]``)
-    is for an optimized module a Python script hands to ``transformers.Trainer``, and no command
-    hands one over (``optimize --out`` writes a folder that loads without fxopt)."""
+    """Without ``TrainerCheckpointWarning``: its advice
+    (``callbacks=[fxopt.pretrained_checkpoints()]``) is for an optimized module a Python script
+    hands to ``transformers.Trainer``, and no command hands one over (``optimize --out`` writes a
+    folder that loads without fxopt)."""
     import warnings
 
     from fxopt.integrations.hf_trainer import TrainerCheckpointWarning

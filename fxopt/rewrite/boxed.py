@@ -3,8 +3,9 @@
 FX's generated code drops every value after its last use -- except the inputs, which the caller
 still holds: ``model(x)`` keeps ``x`` alive for the whole call through the argument tuple. With
 ``release_inputs(gm)`` the caller hands its inputs over in a list, ``boxed([x])``; the forward
-takes them out and empties the list (PyTorch's *boxed* calling convention, used by AOTAutograd; ``fxopt.runtime.boxed``),
-so an input is freed right after its last use inside the forward when nothing else refers to it.
+takes them out and empties the list (PyTorch's *boxed* calling convention, used by AOTAutograd;
+``fxopt.runtime.boxed`` generates the code), so an input is freed right after its last use
+inside the forward when nothing else refers to it.
 
 The returned GraphModule shares ``gm``'s module tree (parameters, buffers, submodules: the user's
 own) and graph nodes' meta; only the calling convention differs. It saves memory only when the
