@@ -351,9 +351,9 @@ def fake_tensor_cache_off() -> contextlib.AbstractContextManager:
     than the dispatch it saves: fxopt's capture of a random-init Hugging Face Llama took a
     median 5.74 s with the cache and 4.25 s without (2 layers of width 64), 18.7 s and 16.2 s
     (12 layers), 6.20 s and 5.44 s (4 layers of width 512); a 6-layer GPT-2 10.72 s and 10.90 s
-    (one CPU thread, the settings alternated in one process, 2026-11-29). The graph is the same
-    op for op; only the names of a few nodes differ. Fake runs at static sizes
-    (fxopt's predictions) keep the cache, where it is 2-4 times faster."""
+    (one thread of an AMD EPYC CPU, the settings alternated in one process, 2026-11-29). The
+    graph is the same op for op; only the names of a few nodes differ. Fake runs at static
+    sizes (fxopt's predictions) keep the cache, where it is 2-4 times faster."""
     import torch._dynamo.config as dynamo_config
 
     return dynamo_config.patch(fake_tensor_cache_enabled=False)
