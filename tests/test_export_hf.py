@@ -141,6 +141,51 @@ def test_the_folders_load_and_train_where_fxopt_cannot_be_imported(llama_exports
     assert done.stdout.strip() == "ok"
 
 
+def test_transformers_trainer_trains_an_exported_folder_and_its_checkpoints_load_as_the_original(
+        llama_exports, tmp_path):
+    """The module an ``--out`` folder loads is a plain ``nn.Module``, not a ``PreTrainedModel``:
+    ``Trainer`` trains it, saves each checkpoint as a bare state dict under the original's keys,
+    and resuming from one repeats the next step exactly; that state dict, with the original's
+    ``config.json`` written beside it, loads with ``from_pretrained`` (docs/cli.md)."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    root, _, model, kwargs, _ = llama_exports
+    spec = importlib.util.spec_from_file_location("exported_min", root / "min" / "model.py")
+    exported = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exported)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(
+        0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(1))]
+
+    def train(resume_from=None):
+        net = exported.load()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, learning_rate=1e-2,
+            max_steps=3, save_steps=1, logging_steps=1, seed=0, report_to=[], use_cpu=True,
+            disable_tqdm=True)
+        trainer = transformers.Trainer(model=net, args=args, train_dataset=rows)
+        trainer.train(resume_from_checkpoint=resume_from)
+        return net, {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+    net, losses = train()
+    assert list(losses) == [1, 2, 3]
+    last = tmp_path / "checkpoint-3"
+    assert not (last / "config.json").exists()  # a bare state dict
+    saved = load_file(last / "model.safetensors")
+    assert sorted(saved) == sorted(model.state_dict())  # safetensors orders keys by name
+    for name, value in net.state_dict().items():
+        assert torch.equal(saved[name], value), name
+
+    _, resumed = train(resume_from=str(tmp_path / "checkpoint-2"))
+    assert resumed == losses  # steps 1-2 from the checkpoint's history, step 3 run again
+
+    model.config.save_pretrained(last)
+    loaded = type(model).from_pretrained(last)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+
+
 def test_memory_breakdown_of_the_export_captured_llama(llama_exports):
     _, _, model, kwargs, optimized = llama_exports
     inputs = (kwargs["input_ids"], None, None, None, None, kwargs["labels"])
