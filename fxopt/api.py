@@ -66,6 +66,7 @@ def optimize(
     outputs: str = "all",
     check_budget: bool | None = None,
     captured: fx.GraphModule | None = None,
+    dynamic: bool = True,
 ) -> fx.GraphModule:
     """Return an optimized, verified GraphModule computing the same function as ``model``.
 
@@ -86,6 +87,12 @@ def optimize(
     ``capture``: the capture frontend (``fxopt.capture.chain``): "auto" (symbolic tracing when it
     captures the whole model, else torch.export, else tracing with opaque leaves), "fx" or
     "export". The report says which one captured the model and why the others did not.
+    ``dynamic``: with torch.export, True (default) leaves the batch and sequence sizes free where
+    the model's code allows, so one module serves every length (three traces: train mode, eval
+    mode, a batch of one); False captures the example's sizes only, in two traces each 2-3 times
+    faster on a Hugging Face language model, and the module then refuses other sizes with an
+    ``InputError`` before computing. For training at one fixed shape (packed or padded-to-length
+    batches). Symbolic tracing records no sizes, so it serves any either way.
     ``captured``: a capture of ``model`` on these example inputs made by
     ``fxopt.capture_model(model, example_inputs, ...)``, to start from instead of capturing
     again (a budget sweep captures once). It is copied, never edited; a capture of another
@@ -153,7 +160,8 @@ def optimize(
                        dump_dir=dump_dir, registry=registry, capture=capture,
                        example_kwargs=example_kwargs, predict_memory=predict_memory,
                        fused_optimizer=fused_optimizer, shard_blocks=shard_blocks,
-                       outputs=outputs, check_budget=check_budget, captured=captured)
+                       outputs=outputs, check_budget=check_budget, captured=captured,
+                       dynamic=dynamic)
     tell_about_trainer_checkpoints(model)
     return gm
 
@@ -163,7 +171,8 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
               dump_dir: Any, registry: PassRegistry | None, capture: str,
               example_kwargs: dict[str, Any] | None, predict_memory: bool,
               fused_optimizer: FusedOptimizers, shard_blocks: bool, outputs: str,
-              check_budget: bool | None, captured: fx.GraphModule | None) -> fx.GraphModule:
+              check_budget: bool | None, captured: fx.GraphModule | None,
+              dynamic: bool) -> fx.GraphModule:
     registry = builtin_passes.REGISTRY if registry is None else registry
     verify_mode = check_verify_mode(verify) if verify is not False else None
     fused_optimizers(fused_optimizer)  # refuse what is no FusedOptimizer before any work
@@ -171,7 +180,7 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
                              outputs=outputs)
     config = Config(passes=passes, memory_budget=memory_budget, dump_dir=dump_dir)
     config.resolved(registry)  # fail on a bad pass list before spending time on tracing
-    check_capture_option(capture, leaf_modules)
+    check_capture_option(capture, leaf_modules, dynamic)
     args = check_inputs(model, example_inputs, example_kwargs)
     device = module_device(model, args)
     config.training = training = training.with_(device=device, autocast=ambient_autocast(device))
@@ -182,10 +191,12 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
     clock = PhaseClock()
     with preserved_state(model), predictions_remembered() as predictions:
         with clock("capture"):
-            gm = (capture_chain(model, args, capture=capture, leaf_modules=leaf_modules)
+            gm = (capture_chain(model, args, capture=capture, leaf_modules=leaf_modules,
+                                dynamic=dynamic)
                   if captured is None else reused_capture(captured, model, args,
                                                           capture=capture,
-                                                          leaf_modules=leaf_modules))
+                                                          leaf_modules=leaf_modules,
+                                                          dynamic=dynamic))
             measure_leaves(gm, args)  # opaque leaves' memory on a real run, for the report
             # the module as captured: to blame a failed verification on capture or passes,
             # and to plan again when a real step lands over the budget

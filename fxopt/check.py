@@ -175,10 +175,13 @@ def check_equivalence(
     capture: str = "auto",
     example_kwargs: dict[str, Any] | None = None,
     fused_optimizer: Any = None,
+    dynamic: bool = True,
 ) -> tuple[CheckResult, fx.GraphModule]:
     """Optimize ``model`` and verify it on several inputs; see the module docstring.
     ``capture`` is ``fxopt.optimize``'s capture frontend option, ``example_kwargs`` its keyword
-    example inputs, ``fused_optimizer`` the fused optimizer step it plans for."""
+    example inputs, ``fused_optimizer`` the fused optimizer step it plans for, ``dynamic`` its
+    size option (with ``dynamic=False`` a torch.export capture serves the example's batch size
+    only, so ``batch_sizes`` must be left out)."""
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
         raise ConfigError(f"seeds must be a non-empty list of integers, got {seeds!r}",
@@ -187,9 +190,15 @@ def check_equivalence(
             isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes)):
         raise ConfigError(f"batch sizes must be positive integers, got {batch_sizes!r}",
                           hint="e.g. batch_sizes=(1, 4)")
+    if batch_sizes is not None and dynamic is False:
+        raise ConfigError(f"batch sizes {list(batch_sizes)} with dynamic=False: a module "
+                          "captured at the example's sizes refuses any other batch size",
+                          hint="leave batch_sizes out (CLI: --batch-sizes), or drop "
+                               "dynamic=False (CLI: --static-shapes)")
     args = check_inputs(model, example_inputs, example_kwargs)
     gm = optimize(model, args, passes=passes, memory_budget=memory_budget, verify=False,
-                  leaf_modules=leaf_modules, capture=capture, fused_optimizer=fused_optimizer)
+                  leaf_modules=leaf_modules, capture=capture, fused_optimizer=fused_optimizer,
+                  dynamic=dynamic)
     first = next((t for t in tensors_in(args) if t.dim()), None)
     example_batch = int(first.shape[0]) if first is not None else None
     plan = [(example_batch, seeds[0], "example")]

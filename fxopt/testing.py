@@ -33,7 +33,8 @@ def assert_equivalent(model: nn.Module, inputs: Any, **options: Any) -> fx.Graph
 
     ``options`` are ``fxopt.check.check_equivalence``'s: ``passes``, ``memory_budget``,
     ``seeds`` (default (0, 1)), ``batch_sizes`` (default: the example's), ``tolerances``,
-    ``leaf_modules``, ``capture`` ("auto", "fx" or "export") and ``example_kwargs``.
+    ``leaf_modules``, ``capture`` ("auto", "fx" or "export"), ``dynamic`` and
+    ``example_kwargs``.
     """
     __tracebackhide__ = True  # pytest shows the caller's line, not this one
     result, optimized = check_equivalence(model, inputs, **options)

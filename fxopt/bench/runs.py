@@ -135,9 +135,10 @@ def _row(variant: _Variant, original: _Variant, times: StepTimes | None,
 def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_budget: Any = None,
           peers: tuple[str, ...] = DEFAULT_PEERS, repeats: int = 5,
           progress: Progress | None = None, capture: str = "auto",
-          fused_optimizer: Any = None) -> list[BenchRow]:
+          fused_optimizer: Any = None, dynamic: bool = True) -> list[BenchRow]:
     """Measure original, fxopt and ``peers`` side by side; the first row is the original.
-    ``capture`` and ``fused_optimizer`` are ``fxopt.optimize``'s options for the fxopt row."""
+    ``capture``, ``fused_optimizer`` and ``dynamic`` are ``fxopt.optimize``'s options for the
+    fxopt row."""
     inputs = as_args(example_inputs)
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -157,7 +158,8 @@ def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_b
     fraction = _peer_fraction(model, inputs, memory_budget)
     builders: list[tuple[str, Callable[[], tuple[nn.Module | None, str]]]] = [
         ("fxopt", lambda: (optimize(model, inputs, passes=passes, memory_budget=memory_budget,
-                                    capture=capture, fused_optimizer=fused_optimizer),
+                                    capture=capture, fused_optimizer=fused_optimizer,
+                                    dynamic=dynamic),
                            f"passes={passes or 'default'}, memory_budget={memory_budget}, "
                            f"capture={capture}")),
         *((name, lambda name=name: build_peer(name, model, inputs, fraction)) for name in peers),

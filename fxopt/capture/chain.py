@@ -8,8 +8,9 @@ fxopt has two capture frontends, both returning a GraphModule that owns the user
   be traced.
 - ``"export"``: ``torch.export`` (``fxopt.capture.export_frontend``). Follows Python that reads
   sizes (``torch.tril(torch.ones(T, T))`` with ``T`` from ``x.shape``) and decorated forwards,
-  down to ATen operators; the module it returns refuses inputs unlike the example (another
-  sequence length, a batch of 1 when captured at 2 or more). It refuses hooks and
+  down to ATen operators; the module it returns serves the sizes the model's code leaves free
+  (``dynamic=False``: the example's only) and refuses other inputs before computing. It refuses
+  hooks and
   ``torch.utils.checkpoint`` calls. It keeps ``leaf_modules``, and a submodule it fails in on
   data-dependent code (an eager mixture-of-experts loop), as opaque module calls
   (``fxopt.capture.export_leaves``).
@@ -52,26 +53,33 @@ from fxopt.core.inputs import check_inputs
 CAPTURE_CHOICES = ("auto", "fx", "export")
 
 
-def check_capture_option(capture: Any, leaf_modules: tuple[str, ...] = ()) -> None:
+def check_capture_option(capture: Any, leaf_modules: tuple[str, ...] = (),
+                         dynamic: Any = True) -> None:
     """``ConfigError`` unless ``capture`` is one of ``CAPTURE_CHOICES`` (every frontend keeps
-    ``leaf_modules`` opaque)."""
+    ``leaf_modules`` opaque) and ``dynamic`` a bool."""
     if capture not in CAPTURE_CHOICES:
         raise ConfigError(f"capture={capture!r} is not a capture frontend",
                           where="capture option",
                           hint=f"use one of: {', '.join(CAPTURE_CHOICES)} (default auto)")
+    if not isinstance(dynamic, bool):
+        raise ConfigError(f"dynamic={dynamic!r} is not a bool", where="capture option",
+                          hint="dynamic=True (default: sizes torch.export may leave free stay "
+                               "free) or dynamic=False (the example's sizes only)")
 
 
 def capture(model: nn.Module, args: Any, *, capture: str = "auto",
-            leaf_modules: tuple[str, ...] = (), example_kwargs: dict[str, Any] | None = None
-            ) -> fx.GraphModule:
+            leaf_modules: tuple[str, ...] = (), example_kwargs: dict[str, Any] | None = None,
+            dynamic: bool = True) -> fx.GraphModule:
     """``model`` as a GraphModule, captured by the frontend ``capture`` names ("auto", "fx" or
     "export"; see the module docstring); ``args`` are forward's positional arguments,
     ``example_kwargs`` its keyword ones (bound to their places by ``check_inputs``).
+    ``dynamic=False``: torch.export records the example's sizes, which the captured module then
+    requires (``fxopt.capture.export_frontend``); symbolic tracing records no sizes either way.
 
     Raises ``ConfigError`` for an unknown ``capture``, ``InputError`` for unusable inputs and
     ``TraceError`` when no frontend allowed captures the model.
     """
-    check_capture_option(capture, leaf_modules)
+    check_capture_option(capture, leaf_modules, dynamic)
     args = check_inputs(model, args, example_kwargs)
     start = time.perf_counter()
     if capture == "fx":
@@ -79,17 +87,17 @@ def capture(model: nn.Module, args: Any, *, capture: str = "auto",
         not_used = (("export", "capture='fx' was asked for"),)
     elif capture == "export":
         with torch_logs_held():
-            gm = capture_with_export(model, args, leaf_modules=leaf_modules)
+            gm = capture_with_export(model, args, leaf_modules=leaf_modules, dynamic=dynamic)
         not_used = (("fx", "capture='export' was asked for"),)
     else:
-        gm, not_used = _auto(model, args, leaf_modules)
+        gm, not_used = _auto(model, args, leaf_modules, dynamic)
     info: TraceInfo = gm.meta[meta_keys.TRACE]
     info.not_used = not_used
     info.seconds = time.perf_counter() - start
     return gm
 
 
-def _auto(model: nn.Module, args: tuple, leaf_modules: tuple[str, ...]
+def _auto(model: nn.Module, args: tuple, leaf_modules: tuple[str, ...], dynamic: bool
           ) -> tuple[fx.GraphModule, tuple[tuple[str, str], ...]]:
     traced: fx.GraphModule | None = None
     fx_error: TraceError | None = None
@@ -110,7 +118,8 @@ def _auto(model: nn.Module, args: tuple, leaf_modules: tuple[str, ...]
                 # Submodules export cannot follow are kept opaque only when symbolic tracing
                 # failed at the root: else its module-level graph with the same leaves wins.
                 exported = capture_with_export(model, args, leaf_modules=leaf_modules,
-                                               opaque_on_failure=traced is None)
+                                               opaque_on_failure=traced is None,
+                                               dynamic=dynamic)
         except FxoptError as error:
             why_not_export, export_error = _first_line(error), error
         except Exception as error:  # a bug in the export frontend must not lose a working trace

@@ -31,27 +31,29 @@ as ``aten.linear``, ``aten.dropout(x, p, train)``, ``aten.scaled_dot_product_att
 ``aten.batch_norm`` updating the running statistics in place. Run eagerly, autograd
 differentiates it as it does the model, and dropout draws from the global RNG as the model does.
 
-Input sizes: every dimension of every tensor input is exported as ``Dim.AUTO`` (dynamic unless
-the model fixes it), so one capture serves every batch size and sequence length the model's code
-allows, with sizes 0 and 1 traced apart (``backed_size_oblivious``) and a batch of 1 served
-when a second trace at batch 1 records the same graph (``fxopt.capture.export_guards``, which
-also turns the conditions torch.export recorded on sizes into the guard's checks). A dimension
-fxopt cannot check (an expression of other sizes, a condition it cannot read) is fixed and the
-export repeated; if export fails it is repeated without tracing 0 and 1 apart, then with static
-sizes (``ExportInfo.fallbacks``). Dtypes, device types, plain argument values (``None``, flags)
-and container structure are fixed. The graph starts with a guard node (``guard_inputs`` reading
-the module's ``InputGuard``, with the parameters and buffers the graph reads) that raises
-``InputError`` before anything is computed when a call does not match what was captured (a
-size the model fixes, a length of 1, two sizes that must agree and do not, ``labels=None`` when
-it was captured with labels, a module converted to another dtype or device type after
-capture), instead of computing something else. Devices export baked into the graph (factory ops'
-``device=``, ``aten.to``, ``_assert_tensor_metadata``) are read from a parameter, buffer or
-input when the graph runs (``fxopt.capture.export_devices``), so a module moved to another
-device of the same type (``cuda:0`` to ``cuda:1``) computes there. Arguments after the last one the example gives are not
-parameters of the captured module (passing one is Python's ``TypeError``): the model used its
-own default, which a decorator may set differently from what the signature says. An argument
-skipped before a given one stays in its place at its default, and the guard refuses any other
-value.
+Input sizes: every dimension of every tensor input is exported as ``Dim.AUTO`` (dynamic unless the
+model fixes it), so one capture serves every batch size and sequence length the model's code
+allows, with sizes 0 and 1 traced apart (``backed_size_oblivious``) and a batch of 1 served when a
+second trace at batch 1 records the same graph (``fxopt.capture.export_guards``, which also turns
+the conditions torch.export recorded on sizes into the guard's checks). A dimension fxopt cannot
+check (an expression of other sizes, a condition it cannot read) is fixed and the export repeated;
+if export fails it is repeated without tracing 0 and 1 apart, then with static sizes
+(``ExportInfo.fallbacks``). With ``dynamic=False`` every size is the example's from the start: two
+traces (train and eval mode) instead of three, each without symbolic size arithmetic (2-3 times
+faster on Hugging Face language models), and the guard refuses any other size. Dtypes, device
+types, plain argument values (``None``, flags) and container structure are fixed. The graph starts
+with a guard node (``guard_inputs`` reading the module's ``InputGuard``, with the parameters and
+buffers the graph reads) that raises ``InputError`` before anything is computed when a call does
+not match what was captured (a size the model fixes, a length of 1, two sizes that must agree and
+do not, ``labels=None`` when it was captured with labels, a module converted to another dtype or
+device type after capture), instead of computing something else. Devices export baked into the
+graph (factory ops' ``device=``, ``aten.to``, ``_assert_tensor_metadata``) are read from a
+parameter, buffer or input when the graph runs (``fxopt.capture.export_devices``), so a module
+moved to another device of the same type (``cuda:0`` to ``cuda:1``) computes there. Arguments after
+the last one the example gives are not parameters of the captured module (passing one is Python's
+``TypeError``): the model used its own default, which a decorator may set differently from what the
+signature says. An argument skipped before a given one stays in its place at its default, and the
+guard refuses any other value.
 
 Safe when: forward's tensor computation does not depend on tensor *values* (``if x.sum() > 0``
 fails with ``TraceError``; ``fxopt.capture.trace`` keeps such code as an opaque leaf instead), and
@@ -156,11 +158,20 @@ class ExportInfo:
     fallbacks: tuple[str, ...] = ()
     traces: int = 0  # torch.export traces made, every attempt counted
 
+    def describe_sizes(self) -> str:
+        """One line: the input sizes left free and whether a batch of 1 is served, or why
+        every size is the example's."""
+        if not self.dynamic:
+            return f"sizes: the example's only ({self.static_reason or 'the model fixes them'})"
+        return (f"sizes: {', '.join(self.dynamic)} free"
+                + ("; a batch of 1 served too" if self.batch_of_one else ""))
+
 
 # How forward is exported, tried in order until one works: every dimension dynamic with sizes
 # 0 and 1 traced apart ("oblivious"); every dimension dynamic, sizes 0 and 1 fixed ("dynamic");
 # every size fixed ("static").
 _MODES = ("oblivious", "dynamic", "static")
+STATIC_BY_REQUEST = "dynamic=False was asked for"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,13 +324,13 @@ def _trace_error(model: nn.Module, error: BaseException, mode: str) -> TraceErro
 
 def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: str,
             attributes: dict[str, Any], shell: nn.Module, constraints: Constraints,
-            devices: tuple[torch.device, ...]) -> fx.Graph:
+            devices: tuple[torch.device, ...], *, static: bool = False) -> fx.Graph:
     """The exported graph with forward's arguments as placeholders, the user's parameters and
     buffers as ``get_attr`` nodes, buffer mutations written back, and the output rebuilt. The
     guard node comes first after the ``get_attr`` nodes of the parameters and buffers, which it
-    checks with the arguments (``InputGuard``). The devices export baked in follow the
-    parameters, buffers and inputs (``devices``: the example tensors') at call time
-    (``fxopt.capture.export_devices``)."""
+    checks with the arguments (``InputGuard``; ``static``: captured with ``dynamic=False``).
+    The devices export baked in follow the parameters, buffers and inputs (``devices``: the
+    example tensors') at call time (``fxopt.capture.export_devices``)."""
     program = exported.program
     graph = fx.Graph()
     nodes = [graph.placeholder(p.name, default_value=p.default) for p in placeholders]
@@ -338,7 +349,8 @@ def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: st
                 read.append(env[node])
     guard = InputGuard(model_name, tuple((p.name, p.recipe) for p in placeholders),
                        tuple(constraints.specs), constraints.ranges,
-                       checks=tuple(constraints.checks), state=tuple(state))
+                       checks=tuple(constraints.checks), state=tuple(state),
+                       static=static)
     guard_name = next((n for n, v in attributes.items()
                        if isinstance(v, InputGuard) and v == guard), None)
     if guard_name is None:  # the eval graph's guard is the train graph's unless sizes differ
@@ -456,12 +468,13 @@ def _refuse_hooks(model: nn.Module) -> None:
 
 def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None,
                         *, leaf_modules: tuple[str, ...] = (),
-                        opaque_on_failure: bool = True) -> fx.GraphModule:
+                        opaque_on_failure: bool = True, dynamic: bool = True) -> fx.GraphModule:
     """Capture ``model`` called as ``model(*args, **kwargs)`` with ``torch.export`` (non-strict,
     training IR) as a GraphModule owning the model's Parameters and buffers; see the module
     docstring for what the result promises and what is not handled. ``leaf_modules`` (and,
     with ``opaque_on_failure``, any submodule export fails in on data-dependent code) are kept
-    as opaque module calls (``fxopt.capture.export_leaves``).
+    as opaque module calls (``fxopt.capture.export_leaves``). ``dynamic=False`` exports at the
+    example's sizes only (``STATIC_BY_REQUEST`` is then the ``ExportInfo.static_reason``).
 
     Raises ``InputError`` for inputs forward cannot take, ``TraceError`` when export fails.
     """
@@ -486,13 +499,15 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     with preserved_state(model, shell):
         (exports, constraints, export_info), opaque, found = exported_keeping_leaves(
             shell, tuple(leaf_modules), lambda: _run_for_real(shell, call, example),
-            lambda: _export_modes(model, shell, call, example, leaf_names, traced),
+            lambda: _export_modes(model, shell, call, example, leaf_names, traced,
+                                  _MODES if dynamic else ("static",)),
             find_more=opaque_on_failure)
         export_info = replace(export_info, traces=len(traced))
         placeholders = signature_placeholders(name, signature, given)
         attributes: dict[str, Any] = {}
         devices = tuple(t.device for t in example)
-        graphs = [_unlift(e, placeholders, name, attributes, shell, c, devices)
+        graphs = [_unlift(e, placeholders, name, attributes, shell, c, devices,
+                          static=not dynamic)
                   for e, c in zip(exports, constraints)]
         for graph in graphs if opaque is not None else ():
             opaque.restore_calls(graph)
@@ -504,7 +519,8 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     for attr, value in attributes.items():
         if attr not in vars(gm):
             object.__setattr__(gm, attr, value)
-    info = TraceInfo(frontend="export", traces=export_info.traces, leaves=[
+    info = TraceInfo(frontend="export", traces=export_info.traces,
+                     sizes=export_info.describe_sizes(), leaves=[
         LeafFallback(path, type(shell.get_submodule(path)).__name__, why) for path, why in found])
     if not same_graph(graphs[0], graphs[1], gm):
         install_eval_graph(gm, graphs[1])
@@ -526,13 +542,13 @@ def _run_for_real(shell: nn.Module, call: _Call, example: tuple) -> None:
 
 
 def _export_modes(model: nn.Module, shell: nn.Module, call: _Call, example: tuple,
-                  leaf_names: list[str], traced: list[str]
+                  leaf_names: list[str], traced: list[str], modes: tuple[str, ...] = _MODES
                   ) -> tuple[list[_Exported], list[Constraints], ExportInfo]:
-    """The train- and eval-mode exports in the first of ``_MODES`` that works, what each
-    serves (a batch of 1 added where a second trace allows it), and how it went; each trace
-    is appended to ``traced``."""
+    """The train- and eval-mode exports in the first of ``modes`` (``_MODES`` or a part of
+    it) that works, what each serves (a batch of 1 added where a second trace allows it), and
+    how it went; each trace is appended to ``traced``."""
     fallbacks: list[str] = []
-    for mode in _MODES:
+    for mode in modes:
         done: list[_Exported] = []
         try:
             exports, constraints, fixed = _export_both(shell, call, example, mode, done, traced)
@@ -555,7 +571,8 @@ def _export_modes(model: nn.Module, shell: nn.Module, call: _Call, example: tupl
                                                   fixed, traced)
     dynamic = tuple(f"{leaf}.shape[{d}]" for leaf, spec in zip(leaf_names, constraints[0].specs)
                     for d, size in enumerate(spec.dims) if isinstance(size, str))
-    static_reason = fallbacks[-1].partition(": ")[2] if mode == "static" and fallbacks else None
+    static_reason = (fallbacks[-1].partition(": ")[2] if mode == "static" and fallbacks
+                     else STATIC_BY_REQUEST if modes == ("static",) else None)
     return exports, constraints, ExportInfo(dynamic, static_reason if not dynamic else None,
                                             batch_of_one, tuple(fallbacks))
 

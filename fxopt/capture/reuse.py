@@ -15,7 +15,8 @@ compute, ``reused_capture`` refuses, with a ``ConfigError`` that says to capture
   attribute set (a Dropout's ``p``, a config field), a hook, ``requires_grad`` or a training
   flag changed, the model moved to another device or dtype;
 - example inputs of another shape, dtype or device, or other plain values;
-- other ``capture`` or ``leaf_modules`` options than the capture's;
+- other ``capture`` or ``leaf_modules`` options than the capture's, or ``dynamic=False`` for a
+  capture with dynamic sizes;
 - a capture with opaque leaves that read tensor values: their real runs were recorded on the
   model's values at capture time, which training changes (``fxopt.graph.leaf_tape``).
 
@@ -66,6 +67,7 @@ class CapturedFrom:
     pinned: tuple[Any, ...]
     capture: str
     leaf_modules: tuple[str, ...]
+    dynamic: bool = True
 
     def __reduce__(self) -> Any:
         raise ExportError(
@@ -82,20 +84,21 @@ class CapturedFrom:
 
 def capture_model(model: nn.Module, example_inputs: Any = (), *,
                   example_kwargs: dict[str, Any] | None = None, capture: str = "auto",
-                  leaf_modules: tuple[str, ...] = ()) -> fx.GraphModule:
+                  leaf_modules: tuple[str, ...] = (), dynamic: bool = True) -> fx.GraphModule:
     """``model`` captured as ``optimize`` captures it (``fxopt.capture.chain``), for
     ``optimize(model, example_inputs, captured=...)`` to start from, any number of times
     (module docstring). The model is left as it was."""
     args = check_inputs(model, example_inputs, example_kwargs)
     with preserved_state(model):
-        gm = capture_chain(model, args, capture=capture, leaf_modules=leaf_modules)
+        gm = capture_chain(model, args, capture=capture, leaf_modules=leaf_modules,
+                           dynamic=dynamic)
     try:
         fingerprint, pinned = described(model, args)
     except TooLarge:
         fingerprint, pinned = None, []
     gm.meta[meta_keys.CAPTURED] = CapturedFrom(weakref.ref(model), type(model).__name__,
                                                fingerprint, tuple(pinned), capture,
-                                               tuple(leaf_modules))
+                                               tuple(leaf_modules), dynamic)
     return gm
 
 
@@ -111,7 +114,7 @@ def reusable(captured: fx.GraphModule) -> bool:
 
 
 def reused_capture(captured: Any, model: nn.Module, args: tuple, *, capture: str,
-                   leaf_modules: tuple[str, ...]) -> fx.GraphModule:
+                   leaf_modules: tuple[str, ...], dynamic: bool = True) -> fx.GraphModule:
     """A copy of ``captured`` to optimize ``model`` on ``args`` from, or a ``ConfigError`` when
     it is not a capture of this model, unchanged, on inputs like these (module docstring)."""
     where = "optimize(captured=...)"
@@ -126,10 +129,12 @@ def reused_capture(captured: Any, model: nn.Module, args: tuple, *, capture: str
                           f"of the {name} given: its Parameters are not this model's",
                           where=where, hint=_AGAIN)
     if capture not in ("auto", record.capture) or (
-            leaf_modules and tuple(leaf_modules) != record.leaf_modules):
+            leaf_modules and tuple(leaf_modules) != record.leaf_modules) or (
+            not dynamic and record.dynamic):
         raise ConfigError(
-            f"capture={capture!r}, leaf_modules={tuple(leaf_modules)} differ from the capture's "
-            f"(capture={record.capture!r}, leaf_modules={record.leaf_modules})", where=where,
+            f"capture={capture!r}, leaf_modules={tuple(leaf_modules)}, dynamic={dynamic} differ "
+            f"from the capture's (capture={record.capture!r}, leaf_modules="
+            f"{record.leaf_modules}, dynamic={record.dynamic})", where=where,
             hint="pass the capture options to fxopt.capture_model, not to optimize")
     taped = _taped_leaves(captured)
     if taped:

@@ -106,6 +106,8 @@ class TraceInfo:
     # times the frontend that made the graph traced forward (fx: train and eval mode per
     # attempt; export: every torch.export trace); 0 where not counted
     traces: int = 0
+    # export: which input sizes the module serves (``ExportInfo.describe_sizes``); fx: ""
+    sizes: str = ""
 
 
 class _FallbackTracer(fx.Tracer):

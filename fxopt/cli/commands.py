@@ -176,6 +176,11 @@ def _common(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
                         help="how to capture the model: fx (symbolic tracing), export "
                              "(torch.export), or auto (fx when it captures the whole model, "
                              "else export, else fx with opaque leaves; the default)")
+    parser.add_argument("--static-shapes", dest="dynamic", action="store_false",
+                        help="torch.export captures the example's sizes only (2 traces instead "
+                             "of 3, each faster); the module then refuses other batch and "
+                             "sequence sizes. For training at one fixed shape: "
+                             "fxopt.optimize's dynamic=False")
     parser.add_argument("--fuse-optimizer", default=None, type=_optimizer_class, metavar="NAME",
                         help="a torch.optim optimizer (adamw, sgd, ...) your training fuses into "
                              "backward with fxopt.fuse_optimizer: memory is planned and "
@@ -330,7 +335,7 @@ def _optimize(args: argparse.Namespace) -> int:
     gm = optimize(model, inputs, passes=args.passes, memory_budget=_budget(args.memory_budget),
                   verify=False if args.no_verify else args.verify_at, capture=args.capture,
                   fused_optimizer=args.fused_optimizer, leaf_modules=args.leaf_modules,
-                  outputs=args.outputs, check_budget=args.check_budget)
+                  outputs=args.outputs, check_budget=args.check_budget, dynamic=args.dynamic)
     progress(1, steps, "measuring")
     comparison = before_after(model, gm, inputs, repeats=args.repeats)
     if args.out:
@@ -370,7 +375,8 @@ def _report(args: argparse.Namespace) -> int:
     progress = _progress("fxopt report")
     steps = 4 if draw else 2
     progress(0, steps, "capturing")
-    traced = capture_model(model, inputs, capture=args.capture, leaf_modules=args.leaf_modules)
+    traced = capture_model(model, inputs, capture=args.capture, leaf_modules=args.leaf_modules,
+                           dynamic=args.dynamic)
     progress(1, steps, "measuring")
     breakdown = memory_breakdown(model, inputs, gm=traced, fused_optimizer=args.fused_optimizer)
     lints = run_lints(traced, inputs, for_inference=args.for_inference)
@@ -391,7 +397,7 @@ def _report(args: argparse.Namespace) -> int:
         optimized = optimize(model, inputs, passes=args.passes,
                              memory_budget=_budget(args.memory_budget), capture=args.capture,
                              fused_optimizer=args.fused_optimizer,
-                             leaf_modules=args.leaf_modules,
+                             leaf_modules=args.leaf_modules, dynamic=args.dynamic,
                              captured=traced if reusable(traced) else None)  # one capture
         progress(3, steps, "timelines")
         timelines = [training_timeline(model, inputs, label="before"),
@@ -419,7 +425,7 @@ def _check(args: argparse.Namespace) -> int:
                                   memory_budget=_budget(args.memory_budget), seeds=args.seeds,
                                   batch_sizes=args.batch_sizes, capture=args.capture,
                                   progress=progress, fused_optimizer=args.fused_optimizer,
-                                  leaf_modules=args.leaf_modules)
+                                  leaf_modules=args.leaf_modules, dynamic=args.dynamic)
     result.target = args.target
     print(json.dumps(result.as_dict(), indent=2) if args.json else result)
     return 0 if result.ok else 1
@@ -446,7 +452,7 @@ def _bench(args: argparse.Namespace) -> int:
         model, inputs = _load(args, target)
         rows = bench(model, inputs, passes=args.passes, memory_budget=budget, peers=peers,
                      repeats=args.repeats, capture=args.capture,
-                     fused_optimizer=args.fused_optimizer,
+                     fused_optimizer=args.fused_optimizer, dynamic=args.dynamic,
                      progress=lambda done, total, label, base=index * per_job: progress(
                          base + done, len(jobs) * per_job, f"{target} {label}"))
         results.append({"target": target, "memory_budget": budget,

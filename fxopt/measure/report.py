@@ -88,6 +88,8 @@ class Report:
                         else "")
                      + (f"; {len(self.trace.leaves)} submodule(s) kept as opaque leaves:"
                         if self.trace.leaves else "; fully traced"))
+        if getattr(self.trace, "sizes", ""):
+            lines.append(f"    {self.trace.sizes}")
         for leaf in self.trace.leaves:
             lines.append(f"    {leaf.path} ({leaf.module_type}): {leaf.reason}")
         lines.extend(f"    {line}" for line in getattr(self.trace, "leaf_runs", ()))

@@ -209,26 +209,29 @@ class InputGuard:
     ``tensors`` the fixed dims (int) or symbols (str) of each tensor (by its ``Leaf`` index);
     ``ranges`` each symbol's (lowest, highest or None) size; ``checks`` pairs of a size
     expression that must be true and why (the module docstring); ``state`` the qualified name,
-    dtype and device type of each tensor passed as ``state``, as captured.
+    dtype and device type of each tensor passed as ``state``, as captured; ``static``: every
+    size was fixed on request (``fxopt.optimize(dynamic=False)``), which errors then say.
     """
 
     __name__ = "fxopt_input_guard"
     checks: tuple = ()  # class defaults: a guard pickled before these fields existed
     state: tuple = ()
+    static: bool = False
 
     def __init__(self, model_name: str, params: tuple, tensors: tuple[TensorSpec, ...],
                  ranges: dict[str, tuple[int, int | None]], *, checks: tuple = (),
-                 state: tuple = ()):
+                 state: tuple = (), static: bool = False):
         self.model_name = model_name
         self.params = params
         self.tensors = tensors
         self.ranges = dict(ranges)
         self.checks = tuple(checks)
         self.state = tuple(state)
+        self.static = static
 
     def _key(self) -> tuple:
         return (self.model_name, self.params, self.tensors, tuple(sorted(self.ranges.items())),
-                self.checks, self.state)
+                self.checks, self.state, self.static)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, InputGuard) and self._key() == other._key()
@@ -345,6 +348,12 @@ class InputGuard:
         for d, (want, size) in enumerate(zip(spec.dims, t.shape)):
             here = f"{where}.shape[{d}]"
             if isinstance(want, int):
+                if size != want and self.static:
+                    self._fail(f"for {here} == {want} only (it was captured with dynamic=False: "
+                               f"every size is the example's); this call gives {size}", here,
+                               "call it with the example's sizes, or optimize the model again "
+                               "without dynamic=False (CLI: without --static-shapes) to serve "
+                               "other sizes")
                 if size != want:
                     self._fail(f"for {here} == {want} only (this size cannot be dynamic: the "
                                "model's code fixes it, so the graph has it built in); this call "

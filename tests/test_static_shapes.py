@@ -1,0 +1,143 @@
+"""``fxopt.optimize(..., dynamic=False)`` (CLI ``--static-shapes``): torch.export captures the
+example's sizes only.
+
+By default an export-captured module serves every batch and sequence size the model's code leaves
+free, which costs a third torch.export trace (a batch of 1) and symbolic size arithmetic in all
+of them. A training loop at one fixed shape does not need that: with ``dynamic=False`` capture is
+two static traces, the optimized module is verified as ever, and a call at any other size is an
+``InputError`` that names ``dynamic=False`` before anything is computed, in the optimized module
+and in the folder it exports to. Symbolic tracing records no sizes, so the option leaves an
+fx-captured module serving any batch size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxopt
+from fxopt.capture.export_frontend import STATIC_BY_REQUEST
+from fxopt.cli import commands as cli
+from fxopt.core.inputs import check_inputs
+from fxopt.export.writer import export, load_exported
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:fxopt optimized a LlamaForCausalLM")
+
+VOCAB, SEQ = 128, 16
+
+
+def llama() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False))
+
+
+def batch(rows: int = 2, length: int = SEQ) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(rows))
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.fixture(scope="module")
+def static_llama():
+    model = llama()
+    gm = fxopt.optimize(model, (), example_kwargs=batch(), memory_budget="min", dynamic=False)
+    return model, gm
+
+
+def test_two_static_traces_verified_and_said_in_the_report(static_llama):
+    model, gm = static_llama
+    report = gm.fxopt_report
+    assert report.trace.frontend == "export"
+    assert report.trace.traces == 2  # train and eval mode; no trace at a batch of 1
+    assert report.verification.ok and report.verification.checked["param_grad"] > 0
+    assert f"sizes: the example's only ({STATIC_BY_REQUEST})" in str(report)
+    assert any(p.name == "checkpoint" and p.modified for p in report.passes)
+    model.eval()
+    gm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**batch()).logits, model(**batch()).logits)
+
+
+@pytest.mark.parametrize("rows, length", [(2, SEQ // 2), (1, SEQ), (4, SEQ)])
+def test_any_other_size_is_refused_naming_the_option(static_llama, rows, length):
+    _, gm = static_llama
+    with pytest.raises(fxopt.InputError) as caught:
+        gm(**batch(rows, length))
+    assert "captured with dynamic=False" in caught.value.what
+    assert "without dynamic=False" in caught.value.hint
+
+
+def test_the_exported_folder_refuses_other_sizes_the_same_way(static_llama, tmp_path):
+    model, gm = static_llama
+    result = export(gm, tmp_path / "out", example_inputs=check_inputs(model, (), batch()))
+    assert result.verification.ok
+    loaded = load_exported(tmp_path / "out").load()
+    torch.testing.assert_close(loaded(**batch()).loss, gm(**batch()).loss)
+    with pytest.raises(Exception, match="captured with dynamic=False"):
+        loaded(**batch(2, SEQ // 2))
+
+
+def test_a_default_capture_serves_the_sizes_a_static_one_refuses():
+    """The control: without ``dynamic=False`` the same model serves them (three traces)."""
+    model = llama()
+    gm = fxopt.optimize(model, (), example_kwargs=batch(), verify=False, predict_memory=False)
+    assert gm.fxopt_report.trace.traces == 3
+    assert "sizes: input_ids.shape[0], input_ids.shape[1]" in str(gm.fxopt_report)
+    for rows, length in [(2, SEQ // 2), (1, SEQ), (4, SEQ)]:
+        torch.testing.assert_close(gm(**batch(rows, length)).loss,
+                                   model(**batch(rows, length)).loss)
+
+
+def test_a_static_capture_is_reused_and_a_dynamic_one_is_not_made_static():
+    model = llama()
+    static = fxopt.capture_model(model, (), example_kwargs=batch(), dynamic=False)
+    gm = fxopt.optimize(model, (), example_kwargs=batch(), captured=static, verify=False,
+                        predict_memory=False)
+    with pytest.raises(fxopt.InputError, match="dynamic=False"):
+        gm(**batch(2, SEQ // 2))
+    free = fxopt.capture_model(model, (), example_kwargs=batch())
+    with pytest.raises(fxopt.ConfigError, match="dynamic=False differ"):
+        fxopt.optimize(model, (), example_kwargs=batch(), captured=free, dynamic=False)
+
+
+def test_symbolic_tracing_records_no_sizes_either_way():
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    gm = fxopt.optimize(model, torch.randn(4, 6), dynamic=False)
+    assert gm.fxopt_report.trace.frontend == "fx" and not gm.fxopt_report.trace.sizes
+    x = torch.randn(7, 6)
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_dynamic_must_be_a_bool():
+    with pytest.raises(fxopt.ConfigError, match="dynamic='no' is not a bool"):
+        fxopt.optimize(nn.Linear(2, 2), torch.randn(1, 2), dynamic="no")
+
+
+LM_FILE = f'''
+import torch, transformers
+
+
+def llama():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size={VOCAB}, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False))
+'''
+
+
+def test_the_cli_option(tmp_path, capsys):
+    (tmp_path / "lm.py").write_text(LM_FILE)
+    target = f"{tmp_path / 'lm.py'}:llama"
+    inputs = ["--input", f"input_ids=2,{SEQ}:int64:0-{VOCAB}", "--input", "labels=@input_ids"]
+    assert cli.main(["optimize", target, *inputs, "--static-shapes", "--repeats", "1",
+                     "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "in 2 traces" in out and f"sizes: the example's only ({STATIC_BY_REQUEST})" in out
+    assert cli.main(["check", target, *inputs, "--static-shapes", "--batch-sizes", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "with dynamic=False" in err and "--static-shapes" in err
