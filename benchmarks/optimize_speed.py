@@ -1,14 +1,16 @@
 """How long ``fxopt.optimize`` takes, in training steps of the original model.
 
     python benchmarks/optimize_speed.py [--models resnet50,gpt2,llama] [--repeats 3] [--threads 1]
-                                        [--out FILE]
+                                        [--static-shapes] [--out FILE]
 
 For each model: the median wall time of the original's training step (forward + backward, after
 a warm-up), then ``fxopt.optimize`` with the default pipeline and with a memory budget, each
 ``--repeats`` times (the median is reported, with the min-max spread), and the report's phases
 (capture, fake-tensor prediction, passes, verification) as a share of the total. The ratio
 "steps" = optimize seconds / training-step seconds is what the issue's goal is stated in: a user
-pays that many training steps once, before training.
+pays that many training steps once, before training. With ``--static-shapes`` each model
+torch.export captures is also optimized with ``dynamic=False`` (two static traces instead of
+three symbolic ones), in rows marked ``static``.
 
 torch is pinned to ``--threads`` threads so the figure does not depend on what else runs; the
 machine's other load still shows in the spread.
@@ -103,19 +105,22 @@ def step_seconds(model: nn.Module, args: tuple, kwargs: dict, repeats: int) -> l
     return samples
 
 
-def optimize_runs(model: nn.Module, args: tuple, kwargs: dict, budget, repeats: int
-                  ) -> tuple[list[float], dict[str, float], dict[str, int]]:
-    """Wall times, median phases, and the fake-tensor predictions of the last run (run, and
-    answered from memory)."""
+def optimize_runs(model: nn.Module, args: tuple, kwargs: dict, budget, repeats: int,
+                  dynamic: bool = True
+                  ) -> tuple[list[float], dict[str, float], dict[str, int], str]:
+    """Wall times, median phases, the fake-tensor predictions of the last run (run, and
+    answered from memory) and the frontend that captured the model."""
     totals, phases, predictions = [], {}, {}
     for _ in range(repeats):
         started = time.perf_counter()
-        gm = fxopt.optimize(model, args, example_kwargs=kwargs or None, memory_budget=budget)
+        gm = fxopt.optimize(model, args, example_kwargs=kwargs or None, memory_budget=budget,
+                            dynamic=dynamic)
         totals.append(time.perf_counter() - started)
         for name, seconds in gm.fxopt_report.seconds.items():
             phases.setdefault(name, []).append(seconds)
         predictions = gm.fxopt_report.predictions
-    return totals, {name: statistics.median(values) for name, values in phases.items()}, predictions
+    medians = {name: statistics.median(values) for name, values in phases.items()}
+    return totals, medians, predictions, gm.fxopt_report.trace.frontend
 
 
 def main() -> None:
@@ -124,6 +129,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--static-shapes", action="store_true",
+                        help="also optimize each export-captured model with dynamic=False "
+                             "(rows marked 'static')")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     lines: list[str] = []
@@ -142,20 +150,24 @@ def main() -> None:
     emit("# step: median wall time of the original's training step (forward+backward); optimize: "
          f"median of {options.repeats} runs (min-max); steps = optimize / step; phases: medians, "
          "seconds; fake runs: fake-tensor predictions of a step run (+ answered from memory)")
-    emit(f"{'model':<10}{'budget':>8}{'step s':>9}{'optimize s':>12}{'spread':>14}{'steps':>7}"
+    emit(f"{'model':<10}{'budget':>12}{'step s':>9}{'optimize s':>12}{'spread':>14}{'steps':>7}"
          f"{'fake runs':>11}  phases")
     for name in options.models.split(","):
         model, args, kwargs = CASES[name]()
         step = statistics.median(step_seconds(model, args, kwargs, 5))
         for budget in (None, BUDGETS[name]):
-            totals, phases, predictions = optimize_runs(model, args, kwargs, budget,
-                                                        options.repeats)
-            total = statistics.median(totals)
-            spread = f"{min(totals):.1f}-{max(totals):.1f}"
-            shown = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
-            runs = f"{predictions.get('run', 0)} (+{predictions.get('remembered', 0)})"
-            emit(f"{name:<10}{str(budget or '-'):>8}{step:>9.3f}{total:>12.2f}{spread:>14}"
-                 f"{total / step:>7.1f}{runs:>11}  {shown}")
+            for dynamic in (True, False) if options.static_shapes else (True,):
+                totals, phases, predictions, frontend = optimize_runs(
+                    model, args, kwargs, budget, options.repeats, dynamic)
+                if not dynamic and frontend != "export":
+                    continue  # symbolic tracing records no sizes: the same run again
+                total = statistics.median(totals)
+                spread = f"{min(totals):.1f}-{max(totals):.1f}"
+                shown = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                runs = f"{predictions.get('run', 0)} (+{predictions.get('remembered', 0)})"
+                label = f"{budget or '-'}{'' if dynamic else ' static'}"
+                emit(f"{name:<10}{label:>12}{step:>9.3f}{total:>12.2f}{spread:>14}"
+                     f"{total / step:>7.1f}{runs:>11}  {shown}")
 
 
 if __name__ == "__main__":
