@@ -81,31 +81,40 @@ def test_the_exported_folder_refuses_other_sizes_the_same_way(static_llama, tmp_
         loaded(**batch(2, SEQ // 2))
 
 
-def test_a_default_capture_serves_the_sizes_a_static_one_refuses():
-    """The control: without ``dynamic=False`` the same model serves them (three traces)."""
-    model = llama()
-    gm = fxopt.optimize(model, (), example_kwargs=batch(), verify=False, predict_memory=False)
-    assert gm.fxopt_report.trace.traces == 3
-    assert "sizes: input_ids.shape[0], input_ids.shape[1]" in str(gm.fxopt_report)
-    for rows, length in [(2, SEQ // 2), (1, SEQ), (4, SEQ)]:
-        torch.testing.assert_close(gm(**batch(rows, length)).loss,
-                                   model(**batch(rows, length)).loss)
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_a_dynamic_capture_serves_the_sizes_a_static_one_refuses():
+    """The control, on a small model torch.export captures in a fraction of a second: without
+    ``dynamic=False`` the batch sizes a static capture refuses are served."""
+    model, x = mlp(), torch.randn(4, 6)
+    free = fxopt.optimize(model, x, capture="export")
+    static = fxopt.optimize(model, x, capture="export", dynamic=False)
+    assert free.fxopt_report.trace.traces == 3 and static.fxopt_report.trace.traces == 2
+    assert "sizes: input.shape[0] free; a batch of 1 served too" in str(free.fxopt_report)
+    for rows in (1, 2, 7):
+        other = torch.randn(rows, 6)
+        torch.testing.assert_close(free(other), model(other))
+        with pytest.raises(fxopt.InputError, match="captured with dynamic=False"):
+            static(other)
 
 
 def test_a_static_capture_is_reused_and_a_dynamic_one_is_not_made_static():
-    model = llama()
-    static = fxopt.capture_model(model, (), example_kwargs=batch(), dynamic=False)
-    gm = fxopt.optimize(model, (), example_kwargs=batch(), captured=static, verify=False,
-                        predict_memory=False)
+    model, x = mlp(), torch.randn(4, 6)
+    static = fxopt.capture_model(model, x, capture="export", dynamic=False)
+    gm = fxopt.optimize(model, x, captured=static)
+    torch.testing.assert_close(gm(x), model(x))
     with pytest.raises(fxopt.InputError, match="dynamic=False"):
-        gm(**batch(2, SEQ // 2))
-    free = fxopt.capture_model(model, (), example_kwargs=batch())
+        gm(torch.randn(2, 6))
+    free = fxopt.capture_model(model, x, capture="export")
     with pytest.raises(fxopt.ConfigError, match="dynamic=False differ"):
-        fxopt.optimize(model, (), example_kwargs=batch(), captured=free, dynamic=False)
+        fxopt.optimize(model, x, captured=free, dynamic=False)
 
 
 def test_symbolic_tracing_records_no_sizes_either_way():
-    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    model = mlp()
     gm = fxopt.optimize(model, torch.randn(4, 6), dynamic=False)
     assert gm.fxopt_report.trace.frontend == "fx" and not gm.fxopt_report.trace.sizes
     x = torch.randn(7, 6)
