@@ -126,11 +126,13 @@ def plan() -> list[Part]:
             Step((python, "benchmarks/estimate_accuracy.py", "--device", "cuda",
                   "--batches", "1,64"), 35),)),
         # Issue 36's table: a Llama-3.2-1B-width model (8 layers, 749 M parameters) in bf16,
-        # AdamW, 2 x 2048 tokens; the original, HF checkpointing (+ Liger), fxopt's arms.
+        # AdamW, 2 x 2048 tokens; the original, HF checkpointing (+ Liger), fxopt's arms,
+        # optimized as a loop that trains at one shape would be (dynamic=False: two static
+        # torch.export traces, not three symbolic ones, in the part's share of the budget).
         Part("lm", "lm_memory", "language model, bf16: fxopt vs HF checkpointing (+ Liger)", (
             Step((python, "benchmarks/lm_memory.py", "--device", "cuda", "--dtype", "bfloat16",
                   "--config", "llama-1b", "--layers", "8", "--seq", "2048", "--batch", "2",
-                  "--steps", "5"), 210),)),
+                  "--steps", "5", "--static-shapes"), 210),)),
         # The README's main job on the GPU (issue 32: step time at budget 0.6).
         Part("main", "main_job", "the README's main job: zoo:unet 8x3x64x64 at budget 0.6", (
             Step((python, "-m", "fxopt", "optimize", "zoo:unet", "--input-shape", "8,3,64,64",

@@ -4,7 +4,7 @@
         [--hidden 256] [--layers 4] [--seq 512] [--batch 2] [--threads 1] [--repeats 5]
         [--inner 1] [--arms original,hf_gc,...] [--out FILE]
     python benchmarks/lm_memory.py --device cuda --dtype bfloat16 --config llama-1b
-        [--layers 8] [--seq 2048] [--batch 2] [--steps 5] [--out FILE]
+        [--layers 8] [--seq 2048] [--batch 2] [--steps 5] [--static-shapes] [--out FILE]
 
 Causal language models built from configs with random weights (no download), called as Hugging
 Face models are, ``model(input_ids=ids, labels=ids)`` (the loss is computed in forward, the
@@ -33,7 +33,10 @@ GPU):
 - ``min_loss_fused``: the previous, planned and run with fxopt's fused AdamW step
   (``fxopt.fuse_optimizer``: each parameter updated, and its gradient freed, during backward).
 
-Every fxopt arm is verified by ``optimize`` (loss, every gradient, the outputs). Columns:
+Every fxopt arm is verified by ``optimize`` (loss, every gradient, the outputs). Each trains at
+one shape, so ``--static-shapes`` optimizes them with ``dynamic=False`` (two static torch.export
+traces instead of three symbolic ones: the same graph at that shape, captured faster), as a user
+of such a loop would. Columns:
 
 - ``step MiB``: the whole training-step peak: on CPU at step 2 (AdamW's moments exist since step
   1), parameters, buffers, inputs, optimizer state and gradients alive when the step starts,
@@ -251,13 +254,14 @@ def make_arm(name: str, model_name: str, args: argparse.Namespace, kw: dict) -> 
         options["passes"] = pipeline_without_the_loss()
     try:
         gm = optimize(model, (), example_kwargs=kw, memory_budget="min",
-                      fused_optimizer=planning, **options)
+                      fused_optimizer=planning, dynamic=not args.static_shapes, **options)
     finally:
         if planning is not None:
             planning.remove()
     report = gm.fxopt_report
     records = {r.name: r for r in report.passes}
-    notes = [f"optimize {time.perf_counter() - started:.0f} s, verified at "
+    notes = [f"optimize {time.perf_counter() - started:.0f} s"
+             f"{' (static shapes)' if args.static_shapes else ''}, verified at "
              f"{report.verified_where}"]
     if "checkpoint" in records:
         checkpoint = records["checkpoint"].stats
@@ -382,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--inner", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5, help="GPU: measured steps per arm")
     parser.add_argument("--arms", default=None)
+    parser.add_argument("--static-shapes", action="store_true",
+                        help="optimize the fxopt arms with dynamic=False (one shape is trained)")
     parser.add_argument("--out", default=None)
     return parser
 

@@ -183,6 +183,32 @@ def grouped_query_llama() -> nn.Module:
     return seeded(transformers.LlamaForCausalLM, config)
 
 
+TINY_LLAMA_VOCAB = 128
+# A 2-layer random-init Hugging Face Llama (grouped-query attention: 4 query heads on 2 key/value
+# heads), as the source of a target file for the command line (``path/to/file.py:llama``).
+TINY_LLAMA_SOURCE = f"""
+import torch
+import transformers
+
+
+def llama():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size={TINY_LLAMA_VOCAB}, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False))
+"""
+
+
+def tiny_llama() -> nn.Module:
+    """The model ``TINY_LLAMA_SOURCE`` builds (skips without transformers)."""
+    import pytest
+    pytest.importorskip("transformers")
+    namespace: dict[str, Any] = {}
+    exec(TINY_LLAMA_SOURCE, namespace)
+    return namespace["llama"]()
+
+
 def token_batch(size: int, *, seq: int = 32, vocab: int = 256, seed: int = 3
                 ) -> dict[str, torch.Tensor]:
     """A causal LM batch as a collator makes it: ``input_ids`` and ``labels``, its own tensor."""

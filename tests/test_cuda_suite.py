@@ -119,7 +119,8 @@ def test_the_lm_part_runs_its_gpu_arms_with_a_stand_in_allocator(monkeypatch, ca
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: next(readings) * 2**20)
     args = lm.parse(["--device", "cpu", "--dtype", "bfloat16", "--models", "llama",
                      "--hidden", "32", "--layers", "2", "--seq", "32", "--vocab", "600",
-                     "--steps", "2", "--arms", "original,hf_gc,hf_gc_liger,min_loss_fused"])
+                     "--steps", "2", "--arms", "original,hf_gc,hf_gc_liger,min_loss_fused",
+                     "--static-shapes"])  # as the suite runs it
     lm.run_model_on_gpu("llama", args, print)
     out = capsys.readouterr().out
     assert "hf_gc_liger: left out" in out  # no Liger without a GPU
@@ -127,6 +128,7 @@ def test_the_lm_part_runs_its_gpu_arms_with_a_stand_in_allocator(monkeypatch, ca
             if line.split() and line.split()[0] in ("original", "hf_gc", "min_loss_fused")}
     assert set(rows) == {"original", "hf_gc", "min_loss_fused"}
     assert "bfloat16 on cpu" in out and "verified at" in rows["min_loss_fused"]
+    assert "(static shapes)" in rows["min_loss_fused"]
 
 
 def test_the_sweep_has_cuda_inputs_for_every_model_it_runs():

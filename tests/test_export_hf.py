@@ -20,23 +20,13 @@ from fxopt.cli import commands as cli
 from fxopt.cli.inputs import parse_input_spec
 from fxopt.cli.targets import load_target
 from fxopt.measure.breakdown import memory_breakdown
+from helpers import TINY_LLAMA_SOURCE, TINY_LLAMA_VOCAB
 
 transformers = pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parent.parent
-VOCAB, SEQ = 128, 16
-LM = f'''
-import torch
-import transformers
-
-
-def llama():
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size={VOCAB}, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False))
-'''
+VOCAB, SEQ = TINY_LLAMA_VOCAB, 16
+LM = TINY_LLAMA_SOURCE
 INPUTS = [f"input_ids=2,{SEQ}:int64:0-{VOCAB}", "labels=@input_ids"]
 RUNS = {"plain": [], "min": ["--memory-budget", "min"],
         "min_loss": ["--memory-budget", "min", "--outputs", "loss"]}  # logits not built

@@ -21,19 +21,12 @@ from fxopt.capture.export_frontend import STATIC_BY_REQUEST
 from fxopt.cli import commands as cli
 from fxopt.core.inputs import check_inputs
 from fxopt.export.writer import export, load_exported
+from helpers import TINY_LLAMA_SOURCE, TINY_LLAMA_VOCAB, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:fxopt optimized a LlamaForCausalLM")
 
-VOCAB, SEQ = 128, 16
-
-
-def llama() -> nn.Module:
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False))
+VOCAB, SEQ = TINY_LLAMA_VOCAB, 16
 
 
 def batch(rows: int = 2, length: int = SEQ) -> dict[str, torch.Tensor]:
@@ -43,7 +36,7 @@ def batch(rows: int = 2, length: int = SEQ) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def static_llama():
-    model = llama()
+    model = tiny_llama()
     gm = fxopt.optimize(model, (), example_kwargs=batch(), memory_budget="min", dynamic=False)
     return model, gm
 
@@ -126,21 +119,8 @@ def test_dynamic_must_be_a_bool():
         fxopt.optimize(nn.Linear(2, 2), torch.randn(1, 2), dynamic="no")
 
 
-LM_FILE = f'''
-import torch, transformers
-
-
-def llama():
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size={VOCAB}, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False))
-'''
-
-
 def test_the_cli_option(tmp_path, capsys):
-    (tmp_path / "lm.py").write_text(LM_FILE)
+    (tmp_path / "lm.py").write_text(TINY_LLAMA_SOURCE)
     target = f"{tmp_path / 'lm.py'}:llama"
     inputs = ["--input", f"input_ids=2,{SEQ}:int64:0-{VOCAB}", "--input", "labels=@input_ids"]
     assert cli.main(["optimize", target, *inputs, "--static-shapes", "--repeats", "1",

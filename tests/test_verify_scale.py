@@ -236,8 +236,9 @@ def build_lm(arch: str, *, labels: bool, layers: int = 6, hidden: int = 128, seq
 # Each is about one ulp of its tensor's largest magnitude (4223, 2505, 4708); the tolerance is now
 # 64 of those ulps (3.2e-2, 1.9e-2, 3.6e-2).
 # Qwen2 is Llama's graph with other biases: llama stands for both. GPT-2 was bit-identical
-# after checkpointing before the fix too; it stays as the one without rotary attention.
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+# after checkpointing before the fix too, so it cannot show a false alarm the fix removed; its
+# "min" is verified in tests/test_ecosystem.py and tests/test_min_vs_hf_checkpointing.py.
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_optimize_min_on_causal_lms_raises_no_false_alarm(arch):
     model, kwargs = build_lm(arch, labels=False)
     gm = fxopt.optimize(model, (), example_kwargs=kwargs, memory_budget="min")
