@@ -161,7 +161,7 @@ def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_b
                                     capture=capture, fused_optimizer=fused_optimizer,
                                     dynamic=dynamic),
                            f"passes={passes or 'default'}, memory_budget={memory_budget}, "
-                           f"capture={capture}")),
+                           f"capture={capture}{'' if dynamic else ', dynamic=False'}")),
         *((name, lambda name=name: build_peer(name, model, inputs, fraction)) for name in peers),
     ]
     variants = [original]
