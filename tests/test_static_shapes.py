@@ -112,6 +112,9 @@ def test_symbolic_tracing_records_no_sizes_either_way():
     assert gm.fxopt_report.trace.frontend == "fx" and not gm.fxopt_report.trace.sizes
     x = torch.randn(7, 6)
     torch.testing.assert_close(gm(x), model(x))
+    traced = fxopt.capture_model(model, torch.randn(4, 6))  # a capture serves it too
+    reused = fxopt.optimize(model, torch.randn(4, 6), captured=traced, dynamic=False)
+    torch.testing.assert_close(reused(x), model(x))
 
 
 def test_dynamic_must_be_a_bool():

@@ -107,6 +107,12 @@ def _taped_leaves(captured: fx.GraphModule) -> list[str]:
             for n in captured.graph.nodes if meta_keys.LEAF in n.meta]
 
 
+def _exported(captured: fx.GraphModule) -> bool:
+    """Whether torch.export made the capture (symbolic tracing records no sizes, so its
+    captures serve ``dynamic=False`` as well)."""
+    return getattr(captured.meta.get(meta_keys.TRACE), "frontend", None) == "export"
+
+
 def reusable(captured: fx.GraphModule) -> bool:
     """Whether ``captured`` (``capture_model``'s) can serve ``optimize(captured=...)`` while its
     model stays as it is: not when opaque leaves recorded real runs on the model's values."""
@@ -130,7 +136,7 @@ def reused_capture(captured: Any, model: nn.Module, args: tuple, *, capture: str
                           where=where, hint=_AGAIN)
     if capture not in ("auto", record.capture) or (
             leaf_modules and tuple(leaf_modules) != record.leaf_modules) or (
-            not dynamic and record.dynamic):
+            not dynamic and record.dynamic and _exported(captured)):
         raise ConfigError(
             f"capture={capture!r}, leaf_modules={tuple(leaf_modules)}, dynamic={dynamic} differ "
             f"from the capture's (capture={record.capture!r}, leaf_modules="
