@@ -10,9 +10,8 @@ fxopt has two capture frontends, both returning a GraphModule that owns the user
   sizes (``torch.tril(torch.ones(T, T))`` with ``T`` from ``x.shape``) and decorated forwards,
   down to ATen operators; the module it returns serves the sizes the model's code leaves free
   (``dynamic=False``: the example's only) and refuses other inputs before computing. It refuses
-  hooks and
-  ``torch.utils.checkpoint`` calls. It keeps ``leaf_modules``, and a submodule it fails in on
-  data-dependent code (an eager mixture-of-experts loop), as opaque module calls
+  hooks and ``torch.utils.checkpoint`` calls. It keeps ``leaf_modules``, and a submodule it fails
+  in on data-dependent code (an eager mixture-of-experts loop), as opaque module calls
   (``fxopt.capture.export_leaves``).
 
 ``"auto"`` (the default) takes symbolic tracing when it captures the whole model with no
