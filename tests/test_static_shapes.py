@@ -51,8 +51,12 @@ def test_two_static_traces_verified_and_said_in_the_report(static_llama):
     assert any(p.name == "checkpoint" and p.modified for p in report.passes)
     model.eval()
     gm.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(gm(**batch()).logits, model(**batch()).logits)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(gm(**batch()).logits, model(**batch()).logits)
+    finally:  # the module fixture's pair, as the other tests expect it
+        model.train()
+        gm.train()
 
 
 @pytest.mark.parametrize("rows, length", [(2, SEQ // 2), (1, SEQ), (4, SEQ)])
