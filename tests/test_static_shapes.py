@@ -137,3 +137,19 @@ def test_the_cli_option(tmp_path, capsys):
     assert cli.main(["check", target, *inputs, "--static-shapes", "--batch-sizes", "1,2"]) == 2
     err = capsys.readouterr().err
     assert "with dynamic=False" in err and "--static-shapes" in err
+
+
+def test_verification_that_must_leave_the_example_size_goes_to_full_size_at_once():
+    """Where the original's step does not fit, the proof runs at a smaller batch, which a static
+    module refuses: it goes to full size (on the CPU copies, here the CPU itself) without
+    spending a step of the original on the smaller batch."""
+    from fxopt.verify.fitting import verify_where_it_fits
+
+    model, x = mlp(), torch.randn(8, 6)
+    static = fxopt.optimize(model, x, capture="export", dynamic=False, verify=False)
+    batches = []
+    model.register_forward_pre_hook(lambda module, args: batches.append(args[0].shape[0]))
+    verified = verify_where_it_fits(model, static, (x,), mode="reduced")
+    assert verified.report.ok
+    assert verified.where.startswith("full size on cpu")
+    assert set(batches) == {8}  # the original never ran at the smaller batch

@@ -201,6 +201,12 @@ class TensorSpec:
     device_type: str
 
 
+def captured_static(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds an ``InputGuard`` fixed at the example's sizes on request
+    (``fxopt.optimize(dynamic=False)``): it serves no other batch size."""
+    return any(isinstance(value, InputGuard) and value.static for value in vars(module).values())
+
+
 class InputGuard:
     """Raises ``InputError`` when a call's inputs differ from what the graph was captured for.
 

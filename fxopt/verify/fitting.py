@@ -9,7 +9,9 @@ At the example size that step may not fit the device (the reason the user called
   is the example's batch size is cut to ``batch`` rows: the same data, a smaller batch), on the
   model's device. The optimized module serves other batch sizes (a graph captured with a
   dynamic batch, or symbolic tracing), so this checks the very code that will train; a module
-  that cannot take a smaller batch says so (its input guard), and the CPU is tried instead;
+  that cannot take a smaller batch says so (its input guard), and the CPU is tried instead, at
+  once for a module captured with ``dynamic=False`` (no reference step is spent on a batch its
+  guard refuses);
 - ``"cpu"``: at the example size, on copies of both models on the CPU (they share their
   parameters, as the originals do), for a model whose smallest batch does not fit either.
 
@@ -40,6 +42,7 @@ from fxopt.core.errors import ConfigError, EquivalenceError, FxoptError, InputEr
 from fxopt.core.tensors import format_bytes, module_device, storage_bytes, tensors_in
 from fxopt.core.torch_private import tree_map_only
 from fxopt.core.training_setup import TrainingSetup
+from fxopt.runtime.input_guard import captured_static
 from fxopt.verify.equivalence import VerifyReport, verify
 
 MODES = ("auto", "full", "reduced", "cpu")
@@ -153,6 +156,9 @@ def _reduced(model: nn.Module, optimized: nn.Module, args: tuple, batch: int | N
              predict: Callable[[nn.Module, tuple], int], why: str,
              options: dict[str, Any]) -> Verified:
     device = module_device(model, args)
+    if captured_static(optimized):
+        return _on_cpu(model, optimized, args, f"{why}; the module serves the example's sizes "
+                       "only (captured with dynamic=False)", options)
     rows = _fitting_batch(model, args, batch, training, free, predict) if batch else None
     if rows is None or rows >= (batch or 0):
         return _on_cpu(model, optimized, args, f"{why}; no smaller batch "
