@@ -153,3 +153,39 @@ def test_verification_that_must_leave_the_example_size_goes_to_full_size_at_once
     assert verified.report.ok
     assert verified.where.startswith("full size on cpu")
     assert set(batches) == {8}  # the original never ran at the smaller batch
+
+
+def test_the_static_module_under_what_training_scripts_do_to_it(static_llama):
+    """The new state is the input guard's ``static`` flag: it survives a deep copy, a state dict
+    loaded with ``assign=True`` and an error mid-call, and a dtype conversion is refused as for
+    any export-captured module."""
+    import copy
+
+    model, gm = static_llama
+    expected = gm(**batch()).loss
+    twin = copy.deepcopy(gm)
+    torch.testing.assert_close(twin(**batch()).loss, expected)
+    with pytest.raises(fxopt.InputError, match="captured with dynamic=False"):
+        twin(**batch(2, SEQ // 2))
+    twin.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    torch.testing.assert_close(twin(**batch()).loss, expected)
+    grad_mode = torch.is_grad_enabled()
+    with pytest.raises(fxopt.InputError):  # refused mid-call, before any compute
+        twin(**batch(4, SEQ))
+    assert torch.is_grad_enabled() == grad_mode
+    torch.testing.assert_close(twin(**batch()).loss, expected)
+    with pytest.raises(fxopt.InputError, match="converted after capture"):
+        copy.deepcopy(gm).to(torch.float64)(**batch())
+
+
+def test_a_static_capture_with_the_default_device_elsewhere_names_no_device():
+    """The GPU stand-in of tests/test_device_safety.py: optimize with a default device no tensor
+    fxopt makes may fall on, then train on the CPU."""
+    from device_mode import default_device_elsewhere
+
+    model, inputs = tiny_llama(), batch()
+    with default_device_elsewhere():
+        gm = fxopt.optimize(model, (), example_kwargs=inputs, memory_budget="min",
+                            dynamic=False)
+    gm(**batch()).loss.backward()
+    assert gm.fxopt_report.trace.traces == 2
