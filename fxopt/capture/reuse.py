@@ -52,6 +52,7 @@ from fxopt.core.inputs import check_inputs
 from fxopt.core.modules import structural_copy
 from fxopt.core.state import preserved_state
 from fxopt.graph.train_eval import eval_graph, replace_eval_graph
+from fxopt.runtime.input_guard import captured_static
 
 _AGAIN = "capture it again with fxopt.capture_model(model, inputs), or leave captured= out"
 
@@ -67,7 +68,6 @@ class CapturedFrom:
     pinned: tuple[Any, ...]
     capture: str
     leaf_modules: tuple[str, ...]
-    dynamic: bool = True
 
     def __reduce__(self) -> Any:
         raise ExportError(
@@ -98,7 +98,7 @@ def capture_model(model: nn.Module, example_inputs: Any = (), *,
         fingerprint, pinned = None, []
     gm.meta[meta_keys.CAPTURED] = CapturedFrom(weakref.ref(model), type(model).__name__,
                                                fingerprint, tuple(pinned), capture,
-                                               tuple(leaf_modules), dynamic)
+                                               tuple(leaf_modules))
     return gm
 
 
@@ -136,11 +136,11 @@ def reused_capture(captured: Any, model: nn.Module, args: tuple, *, capture: str
                           where=where, hint=_AGAIN)
     if capture not in ("auto", record.capture) or (
             leaf_modules and tuple(leaf_modules) != record.leaf_modules) or (
-            not dynamic and record.dynamic and _exported(captured)):
+            not dynamic and _exported(captured) and not captured_static(captured)):
         raise ConfigError(
             f"capture={capture!r}, leaf_modules={tuple(leaf_modules)}, dynamic={dynamic} differ "
             f"from the capture's (capture={record.capture!r}, leaf_modules="
-            f"{record.leaf_modules}, dynamic={record.dynamic})", where=where,
+            f"{record.leaf_modules}, dynamic={not captured_static(captured)})", where=where,
             hint="pass the capture options to fxopt.capture_model, not to optimize")
     taped = _taped_leaves(captured)
     if taped:
