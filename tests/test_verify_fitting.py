@@ -95,16 +95,6 @@ def test_first_rows_cuts_only_tensors_of_the_batch_size():
     assert small[1] == 3
 
 
-def test_host_copies_share_what_the_models_share_and_are_not_the_originals():
-    model = seeded(Net)
-    gm = trace(model, X)
-    memo = fitting._on_host(model, gm)
-    model_copy, gm_copy = copy.deepcopy((model, gm), memo)
-    assert model_copy.conv.weight is gm_copy.conv.weight
-    assert model_copy.conv.weight is not model.conv.weight
-    assert model_copy.bn.running_mean is gm_copy.bn.running_mean
-
-
 def test_optimize_says_where_it_verified_and_refuses_an_unknown_mode():
     model = seeded(Net)
     slim = fxopt.optimize(model, X, verify="reduced")

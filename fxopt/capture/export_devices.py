@@ -34,7 +34,9 @@ Not handled: a device that no parameter, buffer or input was on at capture (a mo
 tensor on ``"cpu"`` by name in a CUDA model) stays literal, as written; so do the literals inside
 the body of any other higher-order operator than the two scopes (none in the models fxopt is
 tested on); a device *type* change (``cpu`` to ``cuda``) is refused by the input guard, since
-the graph has other device-type choices built in (autocast scopes name a device type). The
+the graph may have other device-type choices built in (autocast scopes name a device type);
+``device_types_built_in`` lists them, so that verification's own copies of a graph with none
+can move to the CPU (``fxopt.verify.device_copies``). The
 plain tensor attributes of the user's own modules are read as they are, as the model reads them
 (``.to()`` does not move them either).
 """
@@ -59,6 +61,8 @@ _BODY_AT = {grad_mode_scope: 1, autocast_scope: 4}
 for _name, _at in (("wrap_with_set_grad_enabled", 1), ("wrap_with_autocast", 4)):
     if hasattr(_HOP, _name):
         _BODY_AT[getattr(_HOP, _name)] = _at
+_AUTOCAST = {autocast_scope, *([_HOP.wrap_with_autocast] if hasattr(_HOP, "wrap_with_autocast")
+                                else [])}
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,24 @@ def literal_devices(graph: fx.Graph) -> list[tuple[fx.Node, torch.device]]:
     """Every (node, device) where a node of ``graph`` has a ``torch.device`` literal among its
     arguments (nested containers included)."""
     return [(node, device) for node in graph.nodes for device in literal_devices_of(node)]
+
+
+def device_types_built_in(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """What still names a device type in the graphs of ``module`` (its own and its
+    submodules'), as (device type, where) pairs: an autocast scope's device type and every
+    device literal that ``follow_devices`` left (or a pass added). A graph with none computes
+    the same function on every device type its tensors are moved to."""
+    found: list[tuple[str, str]] = []
+    for path, sub in module.named_modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            where = f"{path}.{node.name}" if path else node.name
+            if node.target in _AUTOCAST and node.args and isinstance(node.args[0], str):
+                found.append((node.args[0], f"the autocast scope {where}"))
+            found += [(d.type, f"the device literal {d} in {where}")
+                      for d in literal_devices_of(node)]
+    return found
 
 
 class _Rewriter:

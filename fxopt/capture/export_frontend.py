@@ -141,8 +141,8 @@ from fxopt.runtime.input_guard import InputGuard, TensorSpec, guard_inputs
 
 _ATTRIBUTE_PREFIX = "_fxopt_export_"
 _INNER = "inner"  # the model's attribute name inside the exported wrapper
-_GUARD = "_fxopt_input_guard"
-_CONSTANT = f"{_ATTRIBUTE_PREFIX}constant_"  # a tensor constant export lifted out of forward  # the captured module's attribute holding its InputGuard
+_GUARD = "_fxopt_input_guard"  # the captured module's attribute holding its InputGuard
+_CONSTANT = f"{_ATTRIBUTE_PREFIX}constant_"  # a tensor constant export lifted out of forward
 
 
 @dataclass(frozen=True)

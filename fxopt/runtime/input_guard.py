@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -247,6 +247,16 @@ class InputGuard:
 
     def __repr__(self) -> str:
         return f"InputGuard({', '.join(name for name, _ in self.params)})"
+
+    def on_device_type(self, device_type: str) -> InputGuard:
+        """This guard with every device type it checks (state and inputs) made ``device_type``.
+        For fxopt's own copies of a module whose graph names no device type
+        (``fxopt.verify.device_copies``); a user's ``.to()`` of the module stays refused."""
+        return InputGuard(self.model_name, self.params,
+                          tuple(replace(spec, device_type=device_type) for spec in self.tensors),
+                          self.ranges, checks=self.checks,
+                          state=tuple((name, dtype, device_type) for name, dtype, _ in self.state),
+                          static=self.static)
 
     def __call__(self, *values: Any, state: tuple = ()) -> Any:
         proxy = next((v for v in (*values, *state) if isinstance(v, fx.Proxy)), None)

@@ -29,7 +29,6 @@ check wherever that fits. Everything a rewrite does to every row (each pass's ed
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,7 @@ from fxopt.core.tensors import format_bytes, module_device, storage_bytes, tenso
 from fxopt.core.torch_private import tree_map_only
 from fxopt.core.training_setup import TrainingSetup
 from fxopt.runtime.input_guard import captured_static
+from fxopt.verify.device_copies import copies_on
 from fxopt.verify.equivalence import VerifyReport, verify
 
 MODES = ("auto", "full", "reduced", "cpu")
@@ -176,20 +176,6 @@ def _reduced(model: nn.Module, optimized: nn.Module, args: tuple, batch: int | N
     return Verified(report, f"batch {rows} of {batch} on {device} ({why})")
 
 
-def _on_host(*modules: nn.Module) -> dict[int, Any]:
-    """A deepcopy memo that copies every parameter and buffer of ``modules`` straight to the
-    CPU, once each (shared ones stay shared): no second copy of the weights on the device."""
-    memo: dict[int, Any] = {}
-    for module in modules:
-        for p in module.parameters():
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(p.detach().to(CPU), requires_grad=p.requires_grad)
-        for b in module.buffers():
-            if id(b) not in memo:
-                memo[id(b)] = b.detach().to(CPU)
-    return memo
-
-
 def _on_cpu(model: nn.Module, optimized: nn.Module, args: tuple, why: str,
             options: dict[str, Any]) -> Verified:
     """The proof at full size on CPU copies of both models (sharing what the originals share)."""
@@ -197,13 +183,12 @@ def _on_cpu(model: nn.Module, optimized: nn.Module, args: tuple, why: str,
     if device.type == "cpu":
         return Verified(verify(model, optimized, args, **options), f"full size on {device}")
     try:
-        model_copy, optimized_copy = copy.deepcopy((model, optimized), _on_host(model, optimized))
-        model_copy.to(CPU)
-        optimized_copy.to(CPU)
+        model_copy, optimized_copy = copies_on(CPU, model, optimized)
     except (RuntimeError, TypeError, FxoptError) as error:
+        reason = error.what if isinstance(error, FxoptError) else f"{type(error).__name__}: {error}"
         raise InputError(
             f"the rewrite could not be verified: {why}, and the models cannot be copied to the "
-            f"CPU ({type(error).__name__}: {error})", where="fxopt.optimize verification",
+            f"CPU ({reason})", where="fxopt.optimize verification",
             hint="free device memory or lower the example batch, or pass verify=False and check "
                  "with fxopt.verify on a machine where the original fits") from error
     cpu_args = tree_map_only(torch.Tensor, lambda t: t.to(CPU), args)
