@@ -228,20 +228,27 @@ def test_export_with_the_default_device_elsewhere_names_no_device(hf_optimized, 
     with default_device_elsewhere():  # load() builds on map_location, not the default device
         loaded = load_exported(tmp_path / "llama").load()
     assert {t.device.type for t in [*loaded.parameters(), *loaded.buffers()]} == {"cpu"}
+    # D4, the other way round: captured on the CPU, loaded on another device type, it runs
+    # there (the GPU case: captured on cuda, loaded with map_location="cpu").
+    elsewhere = load_exported(tmp_path / "llama").load(map_location="meta")
+    with torch.no_grad():
+        out = elsewhere.eval()(*(a.to("meta") if isinstance(a, torch.Tensor) else a
+                                 for a in args))
+    assert out.logits.device.type == "meta"
 
 
 # -- factory ops follow the module (D3/D4)
 
 
 def guard_off(monkeypatch) -> None:
-    """The input guard, which refuses another device type before any compute, let through: for
-    tests that run an export-captured module where it was not captured."""
+    """The input guard let through: for a module whose graph names its capture's device type (an
+    autocast scope), which the guard refuses on another device type before any compute."""
     monkeypatch.setattr(InputGuard, "__call__", lambda self, *values, state=(): None)
 
 
 def _fake_forward(gm: nn.Module, args: tuple, device: str, training: bool) -> list:
     """``gm``'s forward on fake tensors on ``device``: its parameters, buffers and inputs
-    there (the guard, which refuses another device type, left out)."""
+    there (the guard left out: ``guard_off`` where a graph names its device type)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         state = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device,
                                            requires_grad=t.requires_grad)
@@ -309,12 +316,11 @@ def test_factory_ops_follow_the_module_to_another_device(monkeypatch, budget):
         assert outputs and {str(t.device) for t in outputs} == {ELSEWHERE}
 
 
-def test_an_optimized_language_model_runs_on_another_device(hf_optimized, monkeypatch):
+def test_an_optimized_language_model_runs_on_another_device(hf_optimized):
     """An export-captured Llama at "min" (kept blocks, checkpointed regions, chunked loss) run
     forward on fake tensors of another device, in train and eval mode."""
     _, args, gm = hf_optimized("hf_llama_lm", "min")
-    assert _reads_devices(gm) > 0
-    guard_off(monkeypatch)
+    assert _reads_devices(gm) > 0  # the guard is portable: it lets the whole module move
     for training in (True, False):
         outputs = _fake_forward(gm, args, ELSEWHERE, training)
         assert outputs and {str(t.device) for t in outputs} == {ELSEWHERE}
@@ -325,8 +331,8 @@ def _train_on_meta(gm: nn.Module, args: tuple) -> list[torch.Tensor]:
     evaluation forward (eval mode, no grad: regions run their bodies plainly); the copy's
     parameter gradients. A tensor made on the CPU in backward (a region's recomputation, a
     custom backward) meets the meta ones and raises: autograd runs backward outside
-    ``default_device_elsewhere``, so this is the check that reaches it. (The guard, which
-    refuses another device type, left out.)"""
+    ``default_device_elsewhere``, so this is the check that reaches it. An export-captured
+    module's guard lets it move: its graphs name no device type."""
     moved = copy.deepcopy(gm).to("meta")
     inputs = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
     training_step(moved, inputs)
@@ -338,33 +344,39 @@ def _train_on_meta(gm: nn.Module, args: tuple) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", ZOO)
-def test_zoo_models_at_min_train_on_meta_tensors_backward_included(zoo_optimized, name,
-                                                                   monkeypatch):
+def test_zoo_models_at_min_train_on_meta_tensors_backward_included(zoo_optimized, name):
     _, args, gm = zoo_optimized(name, "min")
-    guard_off(monkeypatch)
     grads = _train_on_meta(gm, args)
     assert grads and {g.device.type for g in grads} == {"meta"}
 
 
 @pytest.mark.parametrize("name", ["hf_llama_lm", "unet2d"])
-def test_ecosystem_models_at_min_train_on_meta_tensors_backward_included(hf_optimized, name,
-                                                                         monkeypatch):
+def test_ecosystem_models_at_min_train_on_meta_tensors_backward_included(hf_optimized, name):
     """Llama's checkpointed regions, kept blocks and chunked loss; the diffusers UNet's
     regions: forward and backward on meta tensors."""
     _, args, gm = hf_optimized(name, "min")
     assert "checkpoint" in {p.name for p in gm.fxopt_report.passes if p.modified}
-    guard_off(monkeypatch)
     grads = _train_on_meta(gm, args)
     assert len(grads) == len([p for p in gm.parameters() if p.requires_grad])
     assert {g.device.type for g in grads} == {"meta"}
 
 
-def test_the_guard_still_refuses_another_device_type():
-    """Same type, other index follows; another device type is refused before any compute."""
+def test_the_guard_refuses_a_module_or_inputs_split_across_device_types():
+    """Same type, other index follows; a whole module moves to another device type (its graph
+    names none), but inputs left behind, or a module moved in parts, are refused before any
+    compute."""
     model = nn.Linear(4, 4)
     gm = capture_with_export(model, (torch.randn(2, 4),))
-    with pytest.raises(fxopt.InputError, match="device"):
+    assert gm._fxopt_input_guard.portable
+    with pytest.raises(fxopt.InputError, match="on cpu; this call gives torch.float32 on meta"):
         gm(torch.randn(2, 4, device="meta"))
+    moved = copy.deepcopy(gm).to("meta")
+    assert moved(torch.randn(2, 4, device="meta")).device.type == "meta"
+    with pytest.raises(fxopt.InputError, match=r"on meta \(where the module is\)"):
+        moved(torch.randn(2, 4))
+    moved.bias = nn.Parameter(torch.zeros(4))  # the bias back on the CPU alone
+    with pytest.raises(fxopt.InputError, match="are now on meta and cpu"):
+        moved(torch.randn(2, 4, device="meta"))
 
 
 def test_random_inputs_are_the_same_whatever_the_default_device():

@@ -33,10 +33,9 @@ so the graph computes what it did; afterwards factory ops follow the parameters 
 Not handled: a device that no parameter, buffer or input was on at capture (a model that makes a
 tensor on ``"cpu"`` by name in a CUDA model) stays literal, as written; so do the literals inside
 the body of any other higher-order operator than the two scopes (none in the models fxopt is
-tested on); a device *type* change (``cpu`` to ``cuda``) is refused by the input guard, since
-the graph may have other device-type choices built in (autocast scopes name a device type);
-``device_types_built_in`` lists them, so that verification's own copies of a graph with none
-can move to the CPU (``fxopt.verify.device_copies``). The
+tested on); a device *type* change (``cuda`` to ``cpu``) is let through by the input guard only
+where ``device_types_built_in`` finds nothing else naming one (an autocast scope names its
+device type): the guard is then portable (``fxopt.runtime.input_guard``). The
 plain tensor attributes of the user's own modules are read as they are, as the model reads them
 (``.to()`` does not move them either).
 """
@@ -51,6 +50,7 @@ import torch
 from torch import fx
 
 from fxopt.core import meta_keys
+from fxopt.graph.graphs import graphs_of
 from fxopt.runtime.devices import on_device, tensor_device
 from fxopt.runtime.scoped import autocast_scope, grad_mode_scope
 
@@ -97,18 +97,16 @@ def literal_devices(graph: fx.Graph) -> list[tuple[fx.Node, torch.device]]:
 
 
 def device_types_built_in(module: torch.nn.Module) -> list[tuple[str, str]]:
-    """What still names a device type in the graphs of ``module`` (its own and its
-    submodules'), as (device type, where) pairs: an autocast scope's device type and every
-    device literal that ``follow_devices`` left (or a pass added). A graph with none computes
-    the same function on every device type its tensors are moved to."""
+    """What still names a device type in the graphs of ``module`` (``graphs_of``: train, eval,
+    region and scope bodies, kept blocks), as (device type, where) pairs: an autocast scope's
+    device type, and every device literal ``follow_devices`` left (or a pass added). A graph
+    with none computes the same operations on whatever device type its tensors are on."""
     found: list[tuple[str, str]] = []
-    for path, sub in module.named_modules():
-        if not isinstance(sub, fx.GraphModule):
-            continue
-        for node in sub.graph.nodes:
-            where = f"{path}.{node.name}" if path else node.name
+    for graph_of in graphs_of(module):
+        for node in graph_of.graph.nodes:
+            where = f"{graph_of.where}: {node.name}"
             if node.target in _AUTOCAST and node.args and isinstance(node.args[0], str):
-                found.append((node.args[0], f"the autocast scope {where}"))
+                found.append((node.args[0], f"the autocast scope in {where}"))
             found += [(d.type, f"the device literal {d} in {where}")
                       for d in literal_devices_of(node)]
     return found

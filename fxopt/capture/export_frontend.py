@@ -45,11 +45,13 @@ types, plain argument values (``None``, flags) and container structure are fixed
 with a guard node (``guard_inputs`` reading the module's ``InputGuard``, with the parameters and
 buffers the graph reads) that raises ``InputError`` before anything is computed when a call does
 not match what was captured (a size the model fixes, a length of 1, two sizes that must agree and
-do not, ``labels=None`` when it was captured with labels, a module converted to another dtype or
-device type after capture), instead of computing something else. Devices export baked into the
+do not, ``labels=None`` when it was captured with labels, a module converted to another dtype
+after capture), instead of computing something else. Devices export baked into the
 graph (factory ops' ``device=``, ``aten.to``, ``_assert_tensor_metadata``) are read from a
 parameter, buffer or input when the graph runs (``fxopt.capture.export_devices``), so a module
-moved to another device of the same type (``cuda:0`` to ``cuda:1``) computes there. Arguments after
+moved to another device of the same type (``cuda:0`` to ``cuda:1``) computes there, and where no
+graph names a device type (an autocast scope does) the guard is portable: the whole module may
+move to another device type (``fxopt.runtime.input_guard``). Arguments after
 the last one the example gives are not parameters of the captured module (passing one is Python's
 ``TypeError``): the model used its own default, which a decorator may set differently from what the
 signature says. An argument skipped before a given one stays in its place at its default, and the
@@ -73,8 +75,8 @@ an expression (``y.shape[0] == 2 * x.shape[0]``: re-exported with that size fixe
 ``ExportInfo.fallbacks``). Not detected: submodules left in another training mode than the
 root on purpose (a frozen BatchNorm): the train graph has every module in train mode and the eval
 graph every module in eval mode, and a submodule's own flag is never read again. Not supported:
-another dtype or device type than the capture's, for inputs or for the module's parameters and
-buffers (the guard refuses it: capture the model after converting it; so ``fxopt.verify``'s
+another dtype than the capture's, for inputs or for the module's parameters and buffers, nor
+another device type where a graph names the capture's (the guard refuses it: capture the model after converting it; so ``fxopt.verify``'s
 float64 re-check of rounding differences runs the original alone in float64 and judges the
 captured module's float32 error against the original's own, ``fxopt.verify.rounding``). The graph's
 operators are ATen operators, not the module calls and ``torch.nn.functional`` calls fxopt's
@@ -116,7 +118,7 @@ from fxopt.capture.export_signature import (
     bind_example,
     signature_placeholders,
 )
-from fxopt.capture.export_devices import follow_devices
+from fxopt.capture.export_devices import device_types_built_in, follow_devices
 from fxopt.capture.export_leaves import exported_keeping_leaves
 from fxopt.graph.fake_run import module_state, training_flags
 from fxopt.capture.leaf_recording import record_leaf_runs
@@ -525,6 +527,7 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     if not same_graph(graphs[0], graphs[1], gm):
         install_eval_graph(gm, graphs[1])
         info.mode_dependent = True
+    _mark_portable(gm)
     if info.mode_dependent:  # first: the leaves' records (one per module) go on both graphs
         _propagate(model, eval_module_on(gm), placeholders, arguments, record=False)
     _propagate(model, gm, placeholders, arguments)
@@ -533,6 +536,15 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     gm.meta[meta_keys.EXPORT] = export_info
     refuse_pickling(gm)
     return gm
+
+
+def _mark_portable(gm: fx.GraphModule) -> None:
+    """Let ``gm``'s new input guards accept the whole module on another device type when none
+    of its graphs names one (``InputGuard.portable``)."""
+    if not device_types_built_in(gm):
+        for value in vars(gm).values():
+            if isinstance(value, InputGuard):
+                value.portable = True
 
 
 def _run_for_real(shell: nn.Module, call: _Call, example: tuple) -> None:

@@ -6,15 +6,21 @@ starts with a ``guard_inputs(self._fxopt_input_guard, *arguments, state=(...))``
 captured and raises before the graph computes anything:
 
 - the parameters and buffers the graph reads (``state``, passed by the graph itself, so they are
-  looked up through the module at call time): their dtypes and device types, which torch.export
-  builds into the graph (a ``.to(torch.float32)`` in forward is recorded as a cast to float32,
-  ``_assert_tensor_metadata`` nodes check dtypes, an autocast scope names its device type), so
-  a module converted after capture (``.half()``, ``.to(torch.bfloat16)``, ``.double()``,
-  ``.to("cuda")`` of a CPU capture) is refused. The device *index* is not checked: the devices
-  export recorded follow the parameters when the graph runs (``fxopt.runtime.devices``), so a
-  module moved from ``cuda:0`` to ``cuda:1`` computes on ``cuda:1``;
+  looked up through the module at call time): their dtypes, which torch.export builds into the
+  graph (a ``.to(torch.float32)`` in forward is recorded as a cast to float32,
+  ``_assert_tensor_metadata`` nodes check dtypes), so a module converted after capture
+  (``.half()``, ``.to(torch.bfloat16)``, ``.double()``) is refused; and their device types.
+  The devices export recorded follow the parameters, buffers and inputs when the graph runs
+  (``fxopt.runtime.devices``), so a module moved from ``cuda:0`` to ``cuda:1`` computes on
+  ``cuda:1``. A *portable* guard (no graph of the module names a device type:
+  ``fxopt.capture.export_devices.device_types_built_in``) lets the whole module move to another
+  device type too (``.to("cpu")`` of a GPU capture, an exported folder loaded with
+  ``map_location="cpu"``), as torch.export's own ``move_to_device_pass`` moves a program: every
+  tensor that was on one device type at capture must be on one device type now. Otherwise (an
+  autocast scope names the capture's device type) another device type is refused;
 - the arguments: containers and their keys, plain values built into the graph, tensor dtypes,
-  device types, ranks, fixed sizes, and the ranges and equalities of the sizes left dynamic;
+  device types (as above), ranks, fixed sizes, and the ranges and equalities of the sizes left
+  dynamic;
 - ``checks``: the conditions on sizes torch.export recorded while tracing (its guards: a branch on
   ``seq_len > 1``, two sizes whose product must match), as expressions (see ``evaluate``).
 
@@ -28,7 +34,10 @@ symbolic tracing (an fx proxy among the arguments) the guard records itself as a
 instead, so optimizing a captured module keeps it. It checks inputs only, not what forward
 does with them. The guard pickles with the module (``torch.save``), and ``fxopt.export`` writes
 it as a constructor call (every field is a literal: ints, strings, dtypes, tuples, dicts). Not
-handled: recipes naming classes defined inside a function (they neither pickle nor export).
+handled: recipes naming classes defined inside a function (they neither pickle nor export); a
+branch of forward's code on the device type (``if x.is_cuda:``), which torch.export follows
+for the capture's device and leaves no trace of, so a portable module moved to another device
+type keeps the capture's branch (the same function wherever the branch only picks a kernel).
 Imports torch, the standard library and ``fxopt.runtime.errors`` (relatively, so an exported
 folder's copies import each other) only (``tests/test_layers.py``), like all of ``fxopt.runtime``.
 """
@@ -37,7 +46,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -216,17 +225,20 @@ class InputGuard:
     ``ranges`` each symbol's (lowest, highest or None) size; ``checks`` pairs of a size
     expression that must be true and why (the module docstring); ``state`` the qualified name,
     dtype and device type of each tensor passed as ``state``, as captured; ``static``: every
-    size was fixed on request (``fxopt.optimize(dynamic=False)``), which errors then say.
+    size was fixed on request (``fxopt.optimize(dynamic=False)``), which errors then say;
+    ``portable``: no graph of the module names a device type, so the module may move to another
+    one as a whole (the module docstring).
     """
 
     __name__ = "fxopt_input_guard"
     checks: tuple = ()  # class defaults: a guard pickled before these fields existed
     state: tuple = ()
     static: bool = False
+    portable: bool = False
 
     def __init__(self, model_name: str, params: tuple, tensors: tuple[TensorSpec, ...],
                  ranges: dict[str, tuple[int, int | None]], *, checks: tuple = (),
-                 state: tuple = (), static: bool = False):
+                 state: tuple = (), static: bool = False, portable: bool = False):
         self.model_name = model_name
         self.params = params
         self.tensors = tensors
@@ -234,10 +246,11 @@ class InputGuard:
         self.checks = tuple(checks)
         self.state = tuple(state)
         self.static = static
+        self.portable = portable
 
     def _key(self) -> tuple:
         return (self.model_name, self.params, self.tensors, tuple(sorted(self.ranges.items())),
-                self.checks, self.state, self.static)
+                self.checks, self.state, self.static, self.portable)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, InputGuard) and self._key() == other._key()
@@ -248,41 +261,45 @@ class InputGuard:
     def __repr__(self) -> str:
         return f"InputGuard({', '.join(name for name, _ in self.params)})"
 
-    def on_device_type(self, device_type: str) -> InputGuard:
-        """This guard with every device type it checks (state and inputs) made ``device_type``.
-        For fxopt's own copies of a module whose graph names no device type
-        (``fxopt.verify.device_copies``); a user's ``.to()`` of the module stays refused."""
-        return InputGuard(self.model_name, self.params,
-                          tuple(replace(spec, device_type=device_type) for spec in self.tensors),
-                          self.ranges, checks=self.checks,
-                          state=tuple((name, dtype, device_type) for name, dtype, _ in self.state),
-                          static=self.static)
-
     def __call__(self, *values: Any, state: tuple = ()) -> Any:
         proxy = next((v for v in (*values, *state) if isinstance(v, fx.Proxy)), None)
         if proxy is not None:
             # Symbolic tracing of the captured module (fxopt.optimize on it): stay in the graph.
             return proxy.tracer.create_proxy("call_function", self, values,
                                              {"state": state} if state else {})
-        self._check_state(state)
+        moved: dict[str, str] = {}  # device type at capture -> the one in this call
+        self._check_state(state, moved)
         found: dict[int, tuple[str, Any]] = {}
         for (name, recipe), value in zip(self.params, values):
             self._match(recipe, value, name, found)
         bound: dict[str, tuple[str, int]] = {}
         for index, spec in enumerate(self.tensors):
-            self._check_tensor(spec, *found[index], bound)
+            self._check_tensor(spec, *found[index], bound, moved)
         if self.checks:
             self._check_sizes({i: t for i, (_, t) in found.items()},
                               {i: where for i, (where, _) in found.items()})
 
-    def _check_state(self, state: tuple) -> None:
+    def _device_type_kept(self, captured: str, now: str, moved: dict[str, str]) -> bool:
+        """Whether a tensor that was on ``captured`` may be on ``now``: the same device type,
+        or, in a portable graph, the one every tensor that was on ``captured`` is on now."""
+        if not self.portable:
+            return now == captured
+        return moved.setdefault(captured, now) == now
+
+    def _check_state(self, state: tuple, moved: dict[str, str]) -> None:
         if len(state) != len(self.state):  # a graph edited by hand; nothing to compare
             return
         for (name, dtype, device_type), t in zip(self.state, state):
-            if t.dtype == dtype and t.device.type == device_type:
+            if t.dtype == dtype and self._device_type_kept(device_type, t.device.type, moved):
                 continue
             model = self.model_name
-            if t.device.type != device_type:
+            if t.dtype == dtype and self.portable:  # moved in parts
+                raise InputError(
+                    f"{model}'s parameters and buffers were on {device_type} together at "
+                    f"capture, and are now on {moved[device_type]} and {t.device.type}",
+                    where=f"{model} parameter or buffer {name}",
+                    hint="move the whole module to one device with .to(device)")
+            if t.device.type != device_type and not self.portable:
                 hint = (f"optimize the model on the device it runs on: move it with "
                         f".to({t.device.type!r}) first, then call fxopt.optimize on it (or move "
                         f"this module back to {device_type})")
@@ -296,7 +313,8 @@ class InputGuard:
                 "converted after capture, e.g. with .to(), .half(), .double()); the captured "
                 "graph has the capture dtypes and devices built in (forward's casts such as "
                 ".to(torch.float32) are recorded as they ran), so it cannot compute in another "
-                "dtype or on another device",
+                "dtype" + ("" if self.portable else ", nor on another device type (an autocast "
+                           "scope or a device in it names the capture's)"),
                 where=f"{model} parameter or buffer {name}", hint=hint)
 
     def _check_sizes(self, tensors: dict[int, torch.Tensor], names: dict[int, str]) -> None:
@@ -351,12 +369,15 @@ class InputGuard:
                 self._match(item, value[i], f"{where}[{i}]", found)
 
     def _check_tensor(self, spec: TensorSpec, where: str, t: torch.Tensor,
-                      bound: dict[str, tuple[str, int]]) -> None:
+                      bound: dict[str, tuple[str, int]], moved: dict[str, str]) -> None:
         recapture = ("capture again with an example of the size you will call it with: "
                      "sizes stay dynamic only where the model does not fix them")
-        if t.dtype != spec.dtype or t.device.type != spec.device_type:
-            self._fail(f"with {where} of dtype {spec.dtype} on {spec.device_type}; this call "
-                       f"gives {t.dtype} on {t.device.type}", where,
+        if t.dtype != spec.dtype or not self._device_type_kept(spec.device_type, t.device.type,
+                                                              moved):
+            on = moved.get(spec.device_type, spec.device_type)
+            self._fail(f"with {where} of dtype {spec.dtype} on {on}"
+                       + (" (where the module is)" if on != spec.device_type else "")
+                       + f"; this call gives {t.dtype} on {t.device.type}", where,
                        "convert the input, or capture again with inputs of this dtype and device")
         if t.dim() != len(spec.dims):
             self._fail(f"with {where} of {len(spec.dims)} dimensions; this call gives "

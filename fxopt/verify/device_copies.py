@@ -7,17 +7,13 @@ them: deep copies whose parameters and buffers are copied straight to ``device``
 (what the models share stays shared), so the models' own device never holds a second copy of
 the weights.
 
-An export-captured module's input guard refuses a module moved to another device type
-(``fxopt.runtime.input_guard``), since its graph may have the capture's device type built in.
-A copy's guard moves with the copy when no graph in it names a device type other than
-``device``'s (``fxopt.capture.export_devices.device_types_built_in``): torch.export's device
-literals follow the module (``follow_devices``), so what can still name one is an autocast
-scope, or a literal that no parameter, buffer or input was on at capture. When one does,
-``copies_on`` raises ``InputError`` saying what and where, and copies nothing.
+An export-captured module moves to the CPU when its input guard is portable: no graph of it
+names a device type (``fxopt.runtime.input_guard``). When one does (an autocast scope on the
+GPU's device type), a copy on the CPU would compute another function, and ``copies_on`` raises
+``InputError`` saying what names it and where, before copying anything.
 
 Not handled: an operator that has a kernel on one device type only raises when the copy runs
-it, as the original's copy would. The user's own ``.to()`` of an export-captured module to
-another device type stays refused: only these copies, made for a proof, are moved.
+it, as the original's copy would.
 """
 
 from __future__ import annotations
@@ -34,23 +30,23 @@ from fxopt.runtime.input_guard import InputGuard
 
 
 def copies_on(device: torch.device, *models: nn.Module) -> tuple[nn.Module, ...]:
-    """Deep copies of ``models`` on ``device`` (what they share stays shared), their input
-    guards moved with them; ``InputError`` where a guarded graph has another device type built
-    in (the module doc)."""
+    """Deep copies of ``models`` on ``device`` (what they share stays shared); ``InputError``
+    where an export-captured one has its device type built in (the module doc)."""
     for model in models:
-        named = [(kind, where) for kind, where in device_types_built_in(model)
-                 if kind != device.type]
-        if named and _guards_in(model):
-            kind, where = named[0]
+        for guard in _guards_in(model):
+            captured = {kind for _, _, kind in guard.state} | {t.device_type for t in guard.tensors}
+            if guard.portable or captured <= {device.type}:
+                continue
+            named = device_types_built_in(model)
+            where = named[0][1] if named else "a guard saved before fxopt checked for one"
             raise InputError(
-                f"{type(model).__name__} was captured by torch.export with the device type "
-                f"{kind!r} built into its graph ({where}), so a copy of it on {device.type} "
-                "would compute another function", where=where)
+                f"{type(model).__name__} was captured by torch.export on "
+                f"{' and '.join(sorted(captured))} with a device type built into its graph "
+                f"({where}), so a copy of it on {device.type} would compute another function",
+                where=where)
     copies = copy.deepcopy(models, _straight_to(device, models))
     for model in copies:
         model.to(device)
-        for owner, name, guard in _guards_in(model):
-            setattr(owner, name, guard.on_device_type(device.type))
     return copies
 
 
@@ -68,7 +64,7 @@ def _straight_to(device: torch.device, models: tuple[nn.Module, ...]) -> dict[in
     return memo
 
 
-def _guards_in(model: nn.Module) -> list[tuple[nn.Module, str, InputGuard]]:
-    """Every input guard held by ``model`` or a submodule, with its owner and attribute."""
-    return [(owner, name, value) for owner in model.modules()
-            for name, value in vars(owner).items() if isinstance(value, InputGuard)]
+def _guards_in(model: nn.Module) -> list[InputGuard]:
+    """Every input guard held by ``model`` or a submodule."""
+    return [value for owner in model.modules() for value in vars(owner).values()
+            if isinstance(value, InputGuard)]
