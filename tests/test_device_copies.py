@@ -108,6 +108,7 @@ def test_copies_share_what_the_models_share_and_are_not_the_originals():
     assert model_copy.bn.running_mean is gm_copy.bn.running_mean
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.filterwarnings("ignore:fxopt optimized a LlamaForCausalLM")
 def test_cuda_llama_captured_static_is_verified_on_cpu_copies():
@@ -126,6 +127,7 @@ def test_cuda_llama_captured_static_is_verified_on_cpu_copies():
     assert next(gm.parameters()).device.type == "cuda"
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_autocast_built_in_is_a_clear_error_not_a_cpu_proof():
     class CudaAutocast(Masked):
