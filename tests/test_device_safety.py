@@ -27,9 +27,10 @@ Which models, with the smallest inputs that exercise them (the suite has a time 
 zoo model in both configurations but those whose path another one already takes --
 ``resnet50``/``resnet152`` (``resnet18``'s torchvision ResNet), ``densenet121`` (torchvision
 conv/BatchNorm/concat, as ``resnet18`` and ``unet``; 30 s of CPU alone) and ``mobilenet_v2``
-(its depthwise convolutions are ``grouped_cnn``'s). Among the ecosystem models (an export capture alone costs seconds of CPU), ``"min"`` runs the default passes
-too (it adds checkpointing and the chunked loss): Llama at ``"min"`` (and it is the module the
-verify, measure, estimate, export and other-device tests share), GPT-2, Gemma 2 (sliding
+(its depthwise convolutions are ``grouped_cnn``'s). Among the ecosystem models (an export
+capture alone costs seconds of CPU), ``"min"`` runs the default passes too (it adds
+checkpointing and the chunked loss): Llama at ``"min"`` (and it is the module the verify,
+measure, estimate, export and other-device tests share), GPT-2, Gemma 2 (sliding
 windows, soft-capping, built from a tiny config) and BERT (a padded mask) with the default
 pipeline, and a diffusers UNet at ``"min"`` (``diffusers_unet2d``'s code with one down and one
 up block and no attention, which the LMs cover). The causal LMs are fed ``input_ids`` and

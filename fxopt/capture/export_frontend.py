@@ -76,9 +76,10 @@ an expression (``y.shape[0] == 2 * x.shape[0]``: re-exported with that size fixe
 root on purpose (a frozen BatchNorm): the train graph has every module in train mode and the eval
 graph every module in eval mode, and a submodule's own flag is never read again. Not supported:
 another dtype than the capture's, for inputs or for the module's parameters and buffers, nor
-another device type where a graph names the capture's (the guard refuses it: capture the model after converting it; so ``fxopt.verify``'s
-float64 re-check of rounding differences runs the original alone in float64 and judges the
-captured module's float32 error against the original's own, ``fxopt.verify.rounding``). The graph's
+another device type where a graph names the capture's (the guard refuses it: capture the model
+after converting it; so ``fxopt.verify``'s float64 re-check of rounding differences runs the
+original alone in float64 and judges the captured module's float32 error against the
+original's own, ``fxopt.verify.rounding``). The graph's
 operators are ATen operators, not the module calls and ``torch.nn.functional`` calls fxopt's
 passes were written for: see ``tests/test_export_frontend.py`` for which passes apply.
 

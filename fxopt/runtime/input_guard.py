@@ -311,10 +311,11 @@ class InputGuard:
                 f"{model} was captured by torch.export with {name} of dtype {dtype} on "
                 f"{device_type}, and it is now {t.dtype} on {t.device.type} (the module was "
                 "converted after capture, e.g. with .to(), .half(), .double()); the captured "
-                "graph has the capture dtypes and devices built in (forward's casts such as "
+                "graph has the capture dtypes built in (forward's casts such as "
                 ".to(torch.float32) are recorded as they ran), so it cannot compute in another "
-                "dtype" + ("" if self.portable else ", nor on another device type (an autocast "
-                           "scope or a device in it names the capture's)"),
+                "dtype" + ("" if self.portable else "; it names the capture's device type too "
+                           "(an autocast scope or a device literal), so it cannot run on another "
+                           "device type"),
                 where=f"{model} parameter or buffer {name}", hint=hint)
 
     def _check_sizes(self, tensors: dict[int, torch.Tensor], names: dict[int, str]) -> None:
