@@ -37,8 +37,8 @@ class Masked(nn.Module):
         self.norm = nn.LayerNorm(8)
 
     def forward(self, x):
-        causal = torch.ones(x.shape[1], x.shape[1], device=x.device).tril()
-        scale = torch.tensor([0.5, 2.0], device=x.device)
+        causal = torch.ones(x.shape[1], x.shape[1], device=x.device, dtype=x.dtype).tril()
+        scale = torch.tensor([0.5, 2.0], device=x.device, dtype=x.dtype)
         scores = (self.proj(x) @ x.transpose(1, 2)) * scale[0] + causal
         return self.norm(torch.relu(scores.softmax(-1) @ x) * scale[1])
 
@@ -53,28 +53,31 @@ class Autocast(Masked):
 X = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(0))
 
 
-def _export_optimized(cls):
-    model = seeded(cls)
-    return model, fxopt.optimize(model, X, capture="export", memory_budget="min", dynamic=False)
+def _export_optimized(cls, dtype=torch.float32):
+    model = seeded(cls).to(dtype)
+    return model, fxopt.optimize(model, X.to(dtype), capture="export", memory_budget="min",
+                                 dynamic=False)
 
 
-def test_copies_of_an_export_capture_compute_on_another_device_type_and_leave_the_module():
-    model, gm = _export_optimized(Masked)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_copies_of_an_export_capture_compute_on_another_device_type_and_leave_the_module(dtype):
+    model, gm = _export_optimized(Masked, dtype)
+    x = X.to(dtype)
     assert gm.fxopt_report.trace.frontend == "export"
     assert device_types_built_in(gm) == []  # every literal follows the module
     model_copy, gm_copy = copies_on(META, model, gm)
     for module in (model_copy, gm_copy):
-        out = module(X.to(META))
-        assert out.device == META
+        out = module(x.to(META))
+        assert out.device == META and out.dtype == dtype
         out.sum().backward()
     assert gm_copy.proj.weight.grad.device == META
     assert gm_copy.proj.weight is model_copy.proj.weight  # what the originals share
     assert gm.proj.weight is model.proj.weight and gm.proj.weight.device == CPU
     moved = copy.deepcopy(gm).to(META)  # the user's own move, as verification's copies
-    assert moved(X.to(META)).device == META
-    with pytest.raises(InputError, match=r"x of dtype torch.float32 on meta \(where the module"):
-        moved(X)  # the inputs must follow the module
-    torch.testing.assert_close(gm(X), model(X))
+    assert moved(x.to(META)).device == META
+    with pytest.raises(InputError, match=rf"x of dtype {dtype} on meta \(where the module"):
+        moved(x)  # the inputs must follow the module
+    torch.testing.assert_close(gm(x), model(x))
 
 
 def test_a_graph_with_a_device_type_built_in_is_not_copied_to_another():
