@@ -39,11 +39,14 @@ float64 run of the same steps, unsharded, is the reference. Checked per rank:
   fxopt arms below ``plain``'s, ``fxopt``'s no higher than ``checkpointed``'s.
 
 Models that are already sharded or wrapped are refused, and so is a module sharded where the
-optimized graph never calls it.
+optimized graph never calls it. Mixed precision: an export-captured module under FSDP2's
+``MixedPrecisionPolicy(param_dtype=bfloat16)`` is refused before any compute, and under
+``torch.autocast`` trains like the original bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import gc
 import json
@@ -54,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fxopt
 import fxopt.passes as builtin_passes
@@ -279,6 +282,37 @@ def refuses_modules_sharded_where_the_graph_never_calls_them() -> None:
     assert caught.value.where == "blocks.0.mlp" and "blocks.0, blocks.1" in caught.value.hint
 
 
+def mixed_precision_runs_under_autocast_not_param_dtype() -> None:
+    """An export-captured module has its float32 dtypes built in, so FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bfloat16)``, which hands forward bfloat16 parameters, is
+    refused before any compute, with a hint to use ``torch.autocast`` instead; under autocast the
+    optimized Llama, sharded per block, computes the original's loss and gradients bit for bit."""
+    ids = batch(dist.get_rank(), 0)
+    kwargs = {"input_ids": ids, "labels": ids}
+    model = llama()
+    with torch.autocast("cpu", torch.bfloat16):
+        optimized = fxopt.optimize(copy.deepcopy(model), (), example_kwargs=kwargs, verify=False,
+                                   predict_memory=False)
+    plain = shard_per_block(model, [f"model.layers.{i}" for i in range(len(model.model.layers))])
+    sharded = shard_per_block(optimized, fxopt.blocks(optimized))
+    losses = []
+    for module in (plain, sharded):
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = module(**kwargs).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == losses[1], losses
+    for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
+        assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
+    cast = shard_per_block(fxopt.optimize(llama(), (), example_kwargs=kwargs, verify=False,
+                                          predict_memory=False), [],
+                           MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(fxopt.InputError, match="float32 on cpu, and it is now torch.bfloat16"
+                       ) as caught:
+        cast(**kwargs)
+    assert "torch.autocast" in caught.value.hint and "MixedPrecisionPolicy" in caught.value.hint
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     gc.freeze()  # what the imports made is never garbage: resident_bytes need not scan it
@@ -304,6 +338,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             del runs
         refuses_sharded_models()
         refuses_modules_sharded_where_the_graph_never_calls_them()
+        mixed_precision_runs_under_autocast_not_param_dtype()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(figures))
         dist.barrier()
     finally:

@@ -28,13 +28,15 @@ from torch import nn
 from fxopt.analysis.memtrack import LiveStorageTracker
 
 
-def shard_per_block(module: nn.Module, blocks: list[str]) -> nn.Module:
-    """``fully_shard`` each of ``blocks`` (module paths), then ``module`` itself."""
+def shard_per_block(module: nn.Module, blocks: list[str], mp_policy: Any = None) -> nn.Module:
+    """``fully_shard`` each of ``blocks`` (module paths), then ``module`` itself, with FSDP2's
+    ``mp_policy`` (a ``MixedPrecisionPolicy``) where one is given."""
     from torch.distributed.fsdp import fully_shard
 
+    options = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for path in blocks:
-        fully_shard(module.get_submodule(path))
-    fully_shard(module)
+        fully_shard(module.get_submodule(path), **options)
+    fully_shard(module, **options)
     return module
 
 

@@ -305,8 +305,10 @@ class InputGuard:
                         f"this module back to {device_type})")
             else:
                 hint = (f"optimize the model in its training dtype: call fxopt.optimize on the "
-                        f"model after .to({t.dtype}) (or convert this module back to {dtype}; "
-                        "for mixed precision, run it under torch.autocast)")
+                        f"model after .to({t.dtype}) (or convert this module back to {dtype}). "
+                        "For mixed precision run it under torch.autocast; under FSDP2 too, "
+                        "instead of a MixedPrecisionPolicy with a param_dtype, which casts the "
+                        "parameters")
             raise InputError(
                 f"{model} was captured by torch.export with {name} of dtype {dtype} on "
                 f"{device_type}, and it is now {t.dtype} on {t.device.type} (the module was "
