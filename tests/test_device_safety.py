@@ -52,6 +52,7 @@ from torch import nn
 
 import fxopt
 from device_mode import baked_devices, default_device_elsewhere, graphs_of
+from fxopt.capture.export_devices import device_types_built_in
 from fxopt.capture.export_frontend import capture_with_export
 from fxopt.core.inputs import check_inputs
 from fxopt.core.step import COTANGENT_SEED, _draw_into, cotangents_for, training_step
@@ -189,11 +190,13 @@ def test_zoo_models_optimize_with_the_default_device_elsewhere(zoo_optimized, na
 
 @pytest.mark.parametrize("name, budget", HF, ids=[f"{n}-{b or 'default'}" for n, b in HF])
 def test_ecosystem_models_optimize_and_follow_the_device(hf_optimized, name, budget):
-    """Optimized under the mode, verified; no graph it runs names the capture device."""
+    """Optimized under the mode, verified; no graph it runs names the capture device, nor any
+    device type, so the module may move to another device type as a whole (a portable guard)."""
     _, _, gm = hf_optimized(name, budget)
     assert gm.fxopt_report.verification is not None
     assert gm.fxopt_report.trace.frontend == "export"
     assert baked_devices(gm) == []
+    assert device_types_built_in(gm) == [] and gm._fxopt_input_guard.portable
     modified = {p.name for p in gm.fxopt_report.passes if p.modified}
     if name in ("hf_llama_lm", "hf_gpt2_lm"):  # the causal-mask planner ran on their masks
         assert "causal_attention" in modified
