@@ -115,12 +115,12 @@ def test_copies_share_what_the_models_share_and_are_not_the_originals():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.filterwarnings("ignore:fxopt optimized a LlamaForCausalLM")
 def test_cuda_llama_captured_static_is_verified_on_cpu_copies():
-    from helpers import tiny_llama, token_batch
+    from helpers import TINY_LLAMA_VOCAB, tiny_llama, token_batch
     from fxopt.core.inputs import check_inputs
     from fxopt.verify.fitting import verify_where_it_fits
 
     model = tiny_llama().cuda()
-    batch = {k: v.cuda() for k, v in token_batch(2, seq=16).items()}
+    batch = {k: v.cuda() for k, v in token_batch(2, seq=16, vocab=TINY_LLAMA_VOCAB).items()}
     gm = fxopt.optimize(model, (), example_kwargs=batch, memory_budget="min", dynamic=False,
                         verify="cpu")
     assert gm.fxopt_report.verified_where.startswith("full size on the CPU")
