@@ -155,6 +155,27 @@ def test_the_test_step_names_every_test_that_needs_cuda_and_only_existing_ones()
     assert argv[1:3] == ("-m", "pytest") and tuple(ids) == argv[-len(ids):]
 
 
+def test_the_cuda_tests_run_on_the_cpu_until_they_need_the_device():
+    """``benchmarks/cuda_tests_on_cpu.py``: every CUDA test's body runs on the CPU until it needs
+    the device, and none fails otherwise (token ids past a vocabulary, a wrong name): what would
+    cost a GPU session's minutes is caught here. Its sorting of failures is checked on the
+    three kinds of message it meets."""
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the CUDA tests run for real (benchmarks/cuda_suite.py)")
+    dry = load(ROOT / "benchmarks" / "cuda_tests_on_cpu.py")
+    assert dry.group_of("RuntimeError: Found no NVIDIA driver on your system.") == dry.GROUPS[0]
+    assert dry.group_of("Failed: DID NOT RAISE InputError") == dry.GROUPS[1]
+    assert dry.group_of("AssertionError: assert False") == dry.GROUPS[1]
+    assert dry.group_of("fxopt.runtime.errors.InputError: verify: the reference raised "
+                        "IndexError in its train-mode forward") == dry.GROUPS[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_tests_on_cpu.py")],
+                         cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "look at it: 0" in run.stdout and "needs the device:" in run.stdout
+
+
 def test_limits_share_what_is_left_so_savings_go_to_later_steps():
     a, b, c = suite.Step(("python",), 50), suite.Step(("python",), 150), suite.Step(("python",), 100)
     assert suite.limit_for(a, [b, c], 300) == pytest.approx(50)
