@@ -279,6 +279,11 @@ class InputGuard:
             self._check_sizes({i: t for i, (_, t) in found.items()},
                               {i: where for i, (where, _) in found.items()})
 
+    def runs_on(self, device_type: str) -> bool:
+        """Whether the module, moved as a whole to ``device_type``, passes this guard."""
+        captured = {kind for _, _, kind in self.state} | {t.device_type for t in self.tensors}
+        return self.portable or captured <= {device_type}
+
     def _device_type_kept(self, captured: str, now: str, moved: dict[str, str]) -> bool:
         """Whether a tensor that was on ``captured`` may be on ``now``: the same device type,
         or, in a portable graph, the one every tensor that was on ``captured`` is on now."""

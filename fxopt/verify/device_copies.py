@@ -33,17 +33,14 @@ def copies_on(device: torch.device, *models: nn.Module) -> tuple[nn.Module, ...]
     """Deep copies of ``models`` on ``device`` (what they share stays shared); ``InputError``
     where an export-captured one has its device type built in (the module doc)."""
     for model in models:
-        for guard in _guards_in(model):
-            captured = {kind for _, _, kind in guard.state} | {t.device_type for t in guard.tensors}
-            if guard.portable or captured <= {device.type}:
-                continue
-            named = device_types_built_in(model)
-            where = named[0][1] if named else "a guard saved before fxopt checked for one"
-            raise InputError(
-                f"{type(model).__name__} was captured by torch.export on "
-                f"{' and '.join(sorted(captured))} with a device type built into its graph "
-                f"({where}), so a copy of it on {device.type} would compute another function",
-                where=where)
+        if all(guard.runs_on(device.type) for guard in _guards_in(model)):
+            continue
+        named = [item for item in device_types_built_in(model) if item[0] != device.type]
+        kind, where = named[0] if named else ("its", "a guard saved before fxopt checked for one")
+        raise InputError(
+            f"{type(model).__name__} was captured by torch.export with the device type {kind} "
+            f"built into its graph ({where}), so a copy of it on {device.type} would compute "
+            "another function", where=where)
     copies = copy.deepcopy(models, _straight_to(device, models))
     for model in copies:
         model.to(device)
