@@ -80,6 +80,39 @@ def test_copies_of_an_export_capture_compute_on_another_device_type_and_leave_th
     torch.testing.assert_close(gm(x), model(x))
 
 
+class Followed(Masked):
+    """``Masked`` written with tensor methods, which symbolic tracing records too."""
+
+    def forward(self, x):
+        causal = x.new_ones((x.shape[1], x.shape[1])).tril()
+        scale = x.new_tensor([0.5, 2.0])
+        scores = (self.proj(x) @ x.transpose(1, 2)) * scale[0] + causal
+        return self.norm(torch.relu(scores.softmax(-1) @ x) * scale[1])
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_state_dict_assigned_from_another_device_type_takes_the_module_there(capture):
+    """``load_state_dict(..., assign=True)`` with every tensor on another device type moves the
+    optimized module as it moves the model, on both capture paths: it trains there; an export
+    capture's guard refuses inputs left behind before any compute, and the next call runs. The
+    deep copy keeps the model's state_dict keys (torch.fx's own registers the constant torch.export
+    lifted as a buffer)."""
+    model = seeded(Followed)
+    gm = fxopt.optimize(model, X, capture=capture, memory_budget="min", dynamic=False)
+    assert gm.fxopt_report.trace.frontend == capture
+    moved = copy.deepcopy(gm)
+    assert list(moved.state_dict()) == list(gm.state_dict()) == list(model.state_dict())
+    moved.load_state_dict({k: v.to(META) for k, v in gm.state_dict().items()}, assign=True)
+    out = moved(X.to(META))
+    out.sum().backward()
+    assert out.device == META and {p.grad.device for p in moved.parameters()} == {META}
+    if capture == "export":
+        with pytest.raises(InputError, match="where the module is"):
+            moved(X)
+    assert moved(X.to(META)).device == META
+    torch.testing.assert_close(gm(X), model(X))  # the module it was copied from is untouched
+
+
 def test_a_graph_with_a_device_type_built_in_is_not_copied_to_another():
     model, gm = _export_optimized(Autocast)
     named = device_types_built_in(gm)

@@ -111,8 +111,25 @@ def deepcopy_keeping_hooks(module: fx.GraphModule, memo: dict) -> fx.GraphModule
     for name in (*HOOK_DICTS, FULL_BACKWARD_HOOK_FLAG):
         if name in module.__dict__:
             copied.__dict__[name] = copy.deepcopy(module.__dict__[name], memo)
+    _plain_attributes_stay_plain(module, copied)
     carry_instance_methods(module, copied)
     return copied
+
+
+def _plain_attributes_stay_plain(source: nn.Module, copied: nn.Module) -> None:
+    """torch.fx's deep copy registers every tensor a graph reads as a buffer; one that is a plain
+    attribute of ``source`` (a tensor constant torch.export lifted out of forward) goes back to
+    being one, so the copy's ``state_dict`` keys are the source's and a checkpoint of the model
+    loads into it."""
+    for path, owner in source.named_modules():
+        try:
+            twin = copied.get_submodule(path)
+        except AttributeError:
+            continue
+        for name in [n for n in twin._buffers if n not in owner._buffers and n in vars(owner)]:
+            value = twin._buffers.pop(name)
+            twin._non_persistent_buffers_set.discard(name)
+            object.__setattr__(twin, name, value)
 
 
 def carry_instance_methods(source: fx.GraphModule, copied: fx.GraphModule) -> None:
