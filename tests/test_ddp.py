@@ -10,8 +10,10 @@ each wrap the same models in DDP and train them for ``STEPS`` SGD steps on their
   ``find_unused_parameters=False``), once with ``static_graph=False`` and once with True,
 - the module ``fxopt.export`` wrote and torch loaded back.
 
-After the steps every parameter and buffer equals the reference's on every rank. The models are
-tiny and the step count small: the cost is two Python processes importing torch.
+After the steps every parameter and buffer equals the reference's on every rank. Then, in the
+same processes, ``checkpoint(profile=False)`` plans the same on both ranks although each measures
+other device rates. The models are tiny and the step count small: the cost is two Python
+processes importing torch, spawned once for both checks.
 """
 
 from __future__ import annotations
@@ -100,49 +102,44 @@ def _worker(rank: int, init_file: str, export_dir: str) -> None:
         gathered = [torch.empty_like(flat) for _ in range(WORLD)]
         dist.all_gather(gathered, flat)
         torch.testing.assert_close(gathered[0], gathered[1])
+        plans_the_same_on_every_rank(rank)
         dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
     exit_passed_worker()
 
 
-def test_optimized_and_exported_models_train_like_the_original_under_ddp(tmp_path):
+def plans_the_same_on_every_rank(rank: int) -> None:
+    """Each rank measures other device rates (a busy machine, another core): ``profile=False``
+    must cost nodes and plan regions the same everywhere, from FLOPs and bytes alone. Runs after
+    the training checks, which plan with the measured rates: the fake rates replace them here
+    (``node_costs`` looks ``device_rates`` up at each call, so the cached measurement is not
+    used)."""
+    import fxopt.analysis.costmodel as costmodel
+    from fxopt.capture.trace import trace
+
+    costmodel.device_rates = lambda device="cpu": (1e9 * (rank + 1) ** 3, 1e9 / (rank + 1) ** 3)
+    model, x = make_model(), batch(0, 0)
+    costs = costmodel.node_costs(trace(model, x), profile=False)
+    gm = fxopt.optimize(model, x, verify=False, predict_memory=False,
+                        passes=[("checkpoint", {"budget": BUDGET, "profile": False})])
+    record = next(p for p in gm.fxopt_report.passes if p.name == "checkpoint")
+    mine = {"seconds": [c.seconds for c in costs.values()], "code": gm.code,
+            "regions": [r.as_dict() for r in record.stats.get("regions", [])]}
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, mine)
+    assert mine["regions"], "the budget should have checkpointed regions"
+    assert all(theirs == mine for theirs in everyone), f"rank {rank} differs"
+
+
+def test_optimized_and_exported_models_train_like_the_original_under_ddp_and_plan_alike(
+        tmp_path):
+    """The optimized and exported models train like the original under DDP; and
+    ``checkpoint(profile=False)`` promises the same plan on every DDP rank: two processes whose
+    measured device rates differ cost every node and plan every region alike (one spawn of the
+    two ranks serves both checks)."""
     gm = fxopt.optimize(make_model(), batch(0, 0), memory_budget=BUDGET)  # verified here, once
     result = export(gm, tmp_path / "exported", example_inputs=batch(0, 0))
     assert result.regions > 0 and result.verification.ok
     mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path / "exported")),
              nprocs=WORLD, join=True)
-
-
-def _plan_worker(rank: int, init_file: str) -> None:
-    """Each rank measures other device rates (a busy machine, another core): ``profile=False``
-    must cost nodes and plan regions the same everywhere, from FLOPs and bytes alone."""
-    import fxopt.analysis.costmodel as costmodel
-    from fxopt.capture.trace import trace
-
-    torch.set_num_threads(1)
-    costmodel.device_rates = lambda device="cpu": (1e9 * (rank + 1) ** 3, 1e9 / (rank + 1) ** 3)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))
-    try:
-        model, x = make_model(), batch(0, 0)
-        costs = costmodel.node_costs(trace(model, x), profile=False)
-        gm = fxopt.optimize(model, x, verify=False, predict_memory=False,
-                            passes=[("checkpoint", {"budget": BUDGET, "profile": False})])
-        record = next(p for p in gm.fxopt_report.passes if p.name == "checkpoint")
-        mine = {"seconds": [c.seconds for c in costs.values()], "code": gm.code,
-                "regions": [r.as_dict() for r in record.stats.get("regions", [])]}
-        everyone = [None] * WORLD
-        dist.all_gather_object(everyone, mine)
-        assert mine["regions"], "the budget should have checkpointed regions"
-        assert all(theirs == mine for theirs in everyone), f"rank {rank} differs"
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    exit_passed_worker()
-
-
-def test_profile_false_plans_the_same_on_every_rank(tmp_path):
-    """``checkpoint(profile=False)`` promises the same plan on every DDP rank: two processes
-    whose measured device rates differ cost every node and plan every region alike."""
-    mp.spawn(_plan_worker, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=True)
