@@ -5,7 +5,9 @@ the block's own path, owning the block's parameters (the user's objects), and th
 calls it. Checked here: the golden root graph before and after, idempotence, the root reading no
 block's state, hooks registered on a block after optimize firing, state_dict unchanged, both
 capture paths and both training modes, regions inside blocks only, and the reason a block
-stays flat when it cannot be one call.
+stays flat when it cannot be one call. Each model is optimized once for the file; the Hugging
+Face Llama's regions are also checked for the module names they carry
+(tests/test_region_names.py's property).
 """
 
 from __future__ import annotations
@@ -124,10 +126,23 @@ def _llama():
     return model, ((), {"input_ids": ids, "labels": ids}), ["model.layers.0", "model.layers.1"]
 
 
+_OPTIMIZED: dict = {}
+
+
+def _optimized(build):
+    """(model, (args, kwargs), blocks, ``optimize(model, ..., memory_budget="min")``): one per
+    model, shared by the tests of this file (they change nothing in it but training flags and a
+    hook they remove)."""
+    if build not in _OPTIMIZED:
+        model, (args, kwargs), blocks = build()
+        slim = fxopt.optimize(model, args, example_kwargs=kwargs, memory_budget="min")
+        _OPTIMIZED[build] = model, (args, kwargs), blocks, slim
+    return _OPTIMIZED[build]
+
+
 @pytest.mark.parametrize("build", [_gpt, _llama], ids=["gpt-fx", "llama-export"])
 def test_blocks_are_called_and_own_their_parameters(build):
-    model, (args, kwargs), blocks = build()
-    slim = fxopt.optimize(model, args, example_kwargs=kwargs, memory_budget="min")
+    model, (args, kwargs), blocks, slim = _optimized(build)
     assert slim.meta[META_KEY].kept == blocks and not slim.meta[META_KEY].flat
     reads = _root_reads(slim)
     for path in blocks:
@@ -155,6 +170,26 @@ def test_blocks_are_called_and_own_their_parameters(build):
         torch.testing.assert_close(got, expected)
     handle.remove()
     assert calls == [1, 1]
+
+
+def test_regions_of_a_hugging_face_model_name_their_modules():
+    """Regions carry the module path they run in (``model.layers.1``, with the submodules they
+    start and end in), in the report and in the pass's stats: tests/test_region_names.py's
+    property on the Llama optimized here (one optimize serves both)."""
+    llama = _optimized(_llama)[3]
+    stats = next(p for p in llama.fxopt_report.passes if p.name == "checkpoint").stats
+    regions = stats["regions"]
+    assert regions
+    layers = [r for r in regions if r.module.startswith("model.layers.")]
+    assert layers, [r.module for r in regions]
+    for region in layers:
+        number = region.module.split(".")[2]
+        assert number.isdigit()  # the layer index, as the user numbers layers
+        for inner in (region.from_module, region.to_module):
+            assert inner.startswith(region.module)
+    report = str(llama.fxopt_report)
+    assert f"nodes in {layers[0].module}" in report
+    assert region.as_dict()["module"] == region.module  # in the JSON report too
 
 
 class Shared(nn.Module):

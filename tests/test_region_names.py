@@ -5,46 +5,21 @@ Regions were named by their ATen nodes (``_assert_tensor_metadata_default_6 .. r
 each now carries the module path it runs in (``model.layers.1``, with the submodules it starts
 and ends in), in the report and in the pass's stats (``RegionStats.module``). A ``"min"`` that
 checkpoints nothing says why in words, and its ``budget_bytes`` is the peak it keeps, not 0.
+
+On a Hugging Face model: ``test_regions_of_a_hugging_face_model_name_their_modules`` in
+tests/test_blocks.py, on the 2-layer Llama that file optimizes at ``"min"`` (one optimize of it
+serves both checks instead of one per file).
 """
 
-import pytest
 import torch
 from torch import nn
 
 import fxopt
 from fxopt.analysis.blocks import module_span
 
-transformers = pytest.importorskip("transformers")
-
 
 def checkpoint_stats(gm):
     return next(p for p in gm.fxopt_report.passes if p.name == "checkpoint").stats
-
-
-@pytest.fixture(scope="module")
-def llama_at_min():
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, use_cache=False))
-    ids = torch.randint(0, 64, (2, 8))
-    return fxopt.optimize(model, (), example_kwargs={"input_ids": ids, "labels": ids},
-                          memory_budget="min", verify=False)
-
-
-def test_regions_of_a_hugging_face_model_name_their_modules(llama_at_min):
-    regions = checkpoint_stats(llama_at_min)["regions"]
-    assert regions
-    layers = [r for r in regions if r.module.startswith("model.layers.")]
-    assert layers, [r.module for r in regions]
-    for region in layers:
-        number = region.module.split(".")[2]
-        assert number.isdigit()  # the layer index, as the user numbers layers
-        for inner in (region.from_module, region.to_module):
-            assert inner.startswith(region.module)
-    report = str(llama_at_min.fxopt_report)
-    assert f"nodes in {layers[0].module}" in report
-    assert region.as_dict()["module"] == region.module  # in the JSON report too
 
 
 def test_module_span_is_the_deepest_common_module():
