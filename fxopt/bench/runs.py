@@ -35,7 +35,7 @@ from fxopt.api import optimize
 from fxopt.bench.before_after import PEAK_DEFINITION, format_ms
 from fxopt.bench.peers import PEERS, build_peer
 from fxopt.bench.spread import StepTimes, TimeChange, alternated_step_times
-from fxopt.core.errors import FxoptError
+from fxopt.core.errors import ConfigError, FxoptError
 from fxopt.core.step import as_args
 from fxopt.measure.peaks import format_bytes, measure_train_step
 from fxopt.planning.budget import (
@@ -47,6 +47,13 @@ from fxopt.verify.equivalence import verify
 
 Progress = Callable[[int, int, str], None]
 DEFAULT_PEERS = ("checkpoint_sequential", "torch_compile_min_cut")
+
+
+def check_peers(peers: tuple[str, ...]) -> None:
+    """A ``ConfigError`` naming the known peers when one of ``peers`` is not one of them."""
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ConfigError(f"unknown peer(s) {unknown}", hint=f"known peers: {', '.join(PEERS)}")
 
 
 @dataclass(frozen=True)
@@ -140,10 +147,7 @@ def bench(model: nn.Module, example_inputs: Any, *, passes: Any = None, memory_b
     ``capture``, ``fused_optimizer`` and ``dynamic`` are ``fxopt.optimize``'s options for the
     fxopt row."""
     inputs = as_args(example_inputs)
-    unknown = [p for p in peers if p not in PEERS]
-    if unknown:
-        from fxopt.core.errors import ConfigError
-        raise ConfigError(f"unknown peer(s) {unknown}", hint=f"known peers: {', '.join(PEERS)}")
+    check_peers(peers)
     total, done = 3 + len(peers), 0
 
     def tick(label: str) -> None:

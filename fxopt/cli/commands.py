@@ -433,7 +433,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from fxopt.bench.environment import device_name
-    from fxopt.bench.runs import DEFAULT_PEERS, bench, format_table
+    from fxopt.bench.runs import DEFAULT_PEERS, bench, check_peers, format_table
     from fxopt.planning.budget import parse_budget
 
     budgets = [_budget(b) for b in args.budgets.split(",")] if args.budgets else [
@@ -443,6 +443,7 @@ def _bench(args: argparse.Namespace) -> int:
             parse_budget(budget)
     peers = DEFAULT_PEERS if args.peers is None else tuple(
         p for p in args.peers.split(",") if p and p != "none")
+    check_peers(peers)  # like the budgets: before any model is loaded
     jobs = [(target, budget) for target in args.target for budget in budgets]
     per_job = 3 + len(peers)
     progress = _progress("fxopt bench")
