@@ -118,7 +118,7 @@ def test_the_lm_part_runs_its_gpu_arms_with_a_stand_in_allocator(monkeypatch, ca
     for name in ("max_memory_allocated", "memory_allocated"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: next(readings) * 2**20)
     args = lm.parse(["--device", "cpu", "--dtype", "bfloat16", "--models", "llama",
-                     "--hidden", "32", "--layers", "2", "--seq", "32", "--vocab", "600",
+                     "--hidden", "32", "--layers", "1", "--seq", "32", "--vocab", "600",
                      "--steps", "2", "--arms", "original,hf_gc,hf_gc_liger,min_loss_fused",
                      "--static-shapes"])  # as the suite runs it
     lm.run_model_on_gpu("llama", args, print)

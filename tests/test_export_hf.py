@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import fxopt
 import fxopt.api
 import fxopt.export.codegen
 from fxopt.cli import commands as cli
+from fxopt.cli import targets
 from fxopt.cli.inputs import parse_input_spec
 from fxopt.cli.targets import load_target
 from fxopt.measure.breakdown import memory_breakdown
@@ -49,9 +51,14 @@ def _expected(model, kwargs: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def llama_exports(tmp_path_factory):
-    """The CLI's two exports of one tiny Llama (no budget, ``--memory-budget min``), the
-    optimized modules it built (kept by wrapping ``fxopt.api.optimize``) and what a fresh
-    process must reproduce."""
+    """The CLI's exports of one tiny Llama (no budget, ``--memory-budget min``, and with
+    ``--outputs loss``), the optimized modules it built (kept by wrapping ``fxopt.api.optimize``)
+    and what a fresh process must reproduce.
+
+    The three runs share one capture (three torch.export traces, most of a run's time): the first
+    run loads the target from its file, the later ones get the model and inputs it loaded
+    (``optimize`` leaves them as they were), and each ``optimize`` the CLI calls starts from
+    ``fxopt.capture_model``'s capture of that model, made with the CLI's capture options."""
     root = tmp_path_factory.mktemp("hf_exports")
     (root / "hf_causal_lms.py").write_text(LM)
     target = f"{root / 'hf_causal_lms.py'}:llama"
@@ -60,11 +67,25 @@ def llama_exports(tmp_path_factory):
     assert torch.equal(kwargs["labels"], kwargs["input_ids"])
     torch.save({"kwargs": kwargs, "state": {k: v.clone() for k, v in model.state_dict().items()}},
                root / "given.pt")
-    optimized, real_optimize = {}, fxopt.api.optimize
+    optimized, real_optimize, real_load = {}, fxopt.api.optimize, targets.load_target
+    loaded, captures = [], []
+
+    def load_once(*args, **kw):
+        if not loaded:
+            loaded.append(real_load(*args, **kw))
+        return loaded[0]
+
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(targets, "load_target", load_once)
         for name, extra in RUNS.items():
-            def keep(*args, _name=name, **kw):
-                optimized[_name] = real_optimize(*args, **kw)
+            def keep(cli_model, cli_inputs, *, _name=name, **kw):
+                assert cli_model is loaded[0][0] and cli_inputs is loaded[0][1]
+                if not captures:
+                    captures.append(fxopt.capture_model(
+                        cli_model, cli_inputs, capture=kw["capture"],
+                        leaf_modules=kw["leaf_modules"], dynamic=kw["dynamic"]))
+                optimized[_name] = real_optimize(cli_model, cli_inputs, captured=captures[0],
+                                                 **kw)
                 return optimized[_name]
 
             patch.setattr(fxopt.api, "optimize", keep)
@@ -72,6 +93,10 @@ def llama_exports(tmp_path_factory):
                     "--out", str(root / name), "--repeats", "1", "--threads", "1",
                     "--no-verify"]
             assert cli.main(argv) == 0, name
+    cli_model, cli_inputs = loaded[0]  # as the file built them, so each run got the same
+    assert torch.equal(cli_inputs[0], kwargs["input_ids"])
+    assert all(torch.equal(value, model.state_dict()[key])
+               for key, value in cli_model.state_dict().items())
     torch.save(_expected(copy.deepcopy(model), kwargs), root / "expected.pt")
     return root, target, model, kwargs, optimized
 
