@@ -87,12 +87,14 @@ def assert_same_step(got: tuple, expected: tuple, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def captured_llama() -> tuple[nn.Module, fx.GraphModule]:
-    """A tiny Llama and one capture of it at (4, 64), which both budgets below plan from
-    (``captured=``): an export capture is three torch.export traces."""
+def captured_llama() -> tuple[nn.Module, nn.Module, dict, fx.GraphModule]:
+    """A tiny Llama, its twin (a deep copy, made before any test trains the model), the example
+    batch at (4, 64) and one capture of the model on it, which every Llama test of this file
+    plans from (``captured=``) or reads: an export capture is three torch.export traces."""
     model = tiny_llama()
+    reference = copy.deepcopy(model)
     example = padded_batch(4, 64, torch.Generator().manual_seed(0))
-    return model, fxopt.capture_model(model, (), example_kwargs=example)
+    return model, reference, example, fxopt.capture_model(model, (), example_kwargs=example)
 
 
 @pytest.mark.parametrize("budget", [None, "min"], ids=["default", "min"])
@@ -105,7 +107,7 @@ def test_a_llama_trains_step_for_step_with_dynamic_padding(budget, captured_llam
     weight by 2 lr when the two models sum in other orders (the chunked loss under "min" does,
     with chunks the plan sizes): that tests rounding, not the function. tests/test_fsdp.py
     judges AdamW's parameters against a float64 reference instead."""
-    model, captured = captured_llama  # trained by the budget before: the same function still
+    model, _, _, captured = captured_llama  # trained by the budget before: the same function
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(0)
     example = padded_batch(4, 64, gen)
@@ -152,12 +154,11 @@ def test_an_encoder_classifier_and_gpt2_serve_batch_one_and_other_lengths(make, 
         torch.testing.assert_close(slim(**batch).logits, reference(**batch).logits)
 
 
-def test_a_length_of_one_is_refused_saying_why():
-    model = tiny_llama()
-    gen = torch.Generator().manual_seed(2)
-    gm = capture_with_export(model, (), padded_batch(2, 16, gen))
+def test_a_length_of_one_is_refused_saying_why(captured_llama):
+    *_, gm = captured_llama  # the export capture at (4, 64)
+    assert gm.meta["fxopt_trace"].frontend == "export"
     with pytest.raises(fxopt.InputError) as error:
-        gm(**padded_batch(2, 1, gen))
+        gm(**padded_batch(4, 1, torch.Generator().manual_seed(2)))
     assert error.value.where.endswith("input_ids.shape[1]")
     assert "in [2, inf]" in error.value.what and "sizes 0 and 1" in error.value.what
     assert "capture again with example inputs of this size" in error.value.hint
@@ -275,22 +276,26 @@ def test_an_eval_only_batch_branch_is_still_refused_behind_a_dropout_that_drops_
         gm(one)
 
 
-def test_an_export_captured_llama_has_one_graph_and_refuses_torch_save_saying_why(tmp_path):
+def test_an_export_captured_llama_has_one_graph_and_refuses_torch_save_saying_why(
+        optimized_llama, captured_llama, tmp_path):
     """The train- and eval-mode exports of a Llama without dropout differ only in the names of
     their higher-order operators' bodies (``submod_1`` vs ``submod_2``), compared by graph:
     one graph serves both modes. torch.fx's pickling would re-trace the code without those
     bodies (plain attributes; the load failed with a NameError), so torch.save is a clear
     ExportError."""
-    model = tiny_llama()
-    batch = padded_batch(2, 16, torch.Generator().manual_seed(0))
-    slim = fxopt.optimize(model, (), example_kwargs=batch)
+    slim, _, batch = optimized_llama
+    model = copy.deepcopy(captured_llama[0])  # the original as it is now (tests train it)
     assert not slim.fxopt_report.trace.mode_dependent
     with pytest.raises(fxopt.ExportError, match="higher-order operators") as info:
         torch.save(slim, tmp_path / "slim.pt")
     assert "state_dict()" in info.value.hint and "fxopt.export" in info.value.hint
     slim.eval(), model.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(slim(**batch).logits, model(**batch).logits, rtol=0, atol=0)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(slim(**batch).logits, model(**batch).logits, rtol=0,
+                                       atol=0)
+    finally:  # the module fixture, as the other tests expect it
+        slim.train()
 
 
 def test_guards_read_as_size_expressions():
@@ -323,11 +328,12 @@ class CountOps(TorchDispatchMode):
 
 
 @pytest.fixture(scope="module")
-def optimized_llama():
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    batch = padded_batch(2, 16, torch.Generator().manual_seed(3))
-    return fxopt.optimize(model, (), example_kwargs=batch), reference, batch
+def optimized_llama(captured_llama):
+    """The tiny Llama optimized (default budget) from the file's capture at (4, 64); the
+    model's untrained twin and the example batch."""
+    model, reference, batch, captured = captured_llama
+    slim = fxopt.optimize(model, (), example_kwargs=batch, captured=captured)
+    return slim, reference, batch
 
 
 @pytest.mark.parametrize("convert", [lambda m: m.to(torch.float64), lambda m: m.to(torch.bfloat16),
@@ -358,8 +364,9 @@ def test_a_module_moved_to_another_device_type_refuses_inputs_left_behind(optimi
     assert ops.ops == []
 
 
-def test_following_the_hint_optimizes_and_trains_in_the_new_dtype(optimized_llama):
-    _, reference, batch = optimized_llama
+def test_following_the_hint_optimizes_and_trains_in_the_new_dtype(captured_llama):
+    _, reference, _, _ = captured_llama  # the untrained twin
+    batch = padded_batch(2, 16, torch.Generator().manual_seed(3))
     model = copy.deepcopy(reference).double()
     reference = copy.deepcopy(reference).double()
     slim = fxopt.optimize(model, (), example_kwargs=batch, predict_memory=False)

@@ -36,8 +36,16 @@ def batch(rows: int = 2, length: int = SEQ) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def static_llama():
-    model = tiny_llama()
-    gm = fxopt.optimize(model, (), example_kwargs=batch(), memory_budget="min", dynamic=False)
+    """The tiny Llama optimized at "min" with ``dynamic=False``, with the default device
+    elsewhere (``tests/device_mode.py``, the GPU stand-in of tests/test_device_safety.py): no
+    tensor fxopt makes may fall on it. The model and its inputs are built before entering, as a
+    user's are; every test below then runs the module on the CPU."""
+    from device_mode import default_device_elsewhere
+
+    model, inputs = tiny_llama(), batch()
+    with default_device_elsewhere():
+        gm = fxopt.optimize(model, (), example_kwargs=inputs, memory_budget="min",
+                            dynamic=False)
     return model, gm
 
 
@@ -178,14 +186,13 @@ def test_the_static_module_under_what_training_scripts_do_to_it(static_llama):
         copy.deepcopy(gm).to(torch.float64)(**batch())
 
 
-def test_a_static_capture_with_the_default_device_elsewhere_names_no_device():
-    """The GPU stand-in of tests/test_device_safety.py: optimize with a default device no tensor
-    fxopt makes may fall on, then train on the CPU."""
-    from device_mode import default_device_elsewhere
-
-    model, inputs = tiny_llama(), batch()
-    with default_device_elsewhere():
-        gm = fxopt.optimize(model, (), example_kwargs=inputs, memory_budget="min",
-                            dynamic=False)
-    gm(**batch()).loss.backward()
+def test_a_static_capture_with_the_default_device_elsewhere_names_no_device(static_llama):
+    """The GPU stand-in of tests/test_device_safety.py: the module fixture optimized with a
+    default device no tensor fxopt makes may fall on; it trains on the CPU."""
+    model, gm = static_llama
+    try:
+        gm(**batch()).loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        model.zero_grad(set_to_none=True)
     assert gm.fxopt_report.trace.traces == 2
