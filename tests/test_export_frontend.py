@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxopt.capture.export_frontend import ExportInfo, capture_with_export
+from fxopt.capture.reuse import editable_copy
 from fxopt.capture.trace import trace
 from fxopt.core.errors import InputError, TraceError
 from fxopt.graph.train_eval import eval_graph
@@ -422,27 +423,12 @@ def test_a_users_checkpoint_is_refused_not_inlined(reentrant):
 # -- fxopt's passes on the ATen graph
 
 
-def _copy_to_rewrite(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of a capture that passes may edit, the capture left as it is: a structural copy
-    (the model's Parameters, the graphs copied) with an eval-mode graph of its own, as
-    ``fxopt.capture.reuse`` gives ``optimize(captured=...)``."""
-    from fxopt.core.modules import structural_copy
-    from fxopt.graph.train_eval import replace_eval_graph
-
-    copied = structural_copy(gm)
-    for module in copied.modules():
-        graph = eval_graph(module) if isinstance(module, torch.fx.GraphModule) else None
-        if graph is not None:
-            replace_eval_graph(module, copy.deepcopy(graph))
-    return copied
-
-
 def test_checkpoint_and_inplace_passes_on_the_captured_graph(gpt):
     from fxopt.passes.checkpoint import checkpoint
     from fxopt.passes.inplace_activations import inplace_activations
 
     model, idx, captured = gpt  # GPT() and a (4, 8) batch drawn after seed 0
-    gm = _copy_to_rewrite(captured)
+    gm = editable_copy(captured)  # as optimize(captured=...) copies a capture
     code, eval_code = captured.code, str(eval_graph(captured))
 
     result = inplace_activations(gm)

@@ -119,6 +119,19 @@ def reusable(captured: fx.GraphModule) -> bool:
     return not _taped_leaves(captured)
 
 
+def editable_copy(captured: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a captured module that passes may edit, the capture left as it is: a
+    ``structural_copy`` (the model's Parameters shared, the graphs copied) with an eval-mode
+    graph of its own. A structural copy shares the eval-mode graph (it lives in the mode
+    dispatch) and keep_blocks edits that graph in place."""
+    gm = structural_copy(captured)
+    for module in gm.modules():
+        graph = eval_graph(module) if isinstance(module, fx.GraphModule) else None
+        if graph is not None:
+            replace_eval_graph(module, copy.deepcopy(graph))
+    return gm
+
+
 def reused_capture(captured: Any, model: nn.Module, args: tuple, *, capture: str,
                    leaf_modules: tuple[str, ...], dynamic: bool = True) -> fx.GraphModule:
     """A copy of ``captured`` to optimize ``model`` on ``args`` from, or a ``ConfigError`` when
@@ -152,13 +165,7 @@ def reused_capture(captured: Any, model: nn.Module, args: tuple, *, capture: str
     if changed:
         raise ConfigError(f"{name} changed since it was captured: {changed}", where=where,
                           hint=_AGAIN)
-    gm = structural_copy(captured)
-    # A structural copy shares the eval-mode graph (it lives in the mode dispatch) and
-    # keep_blocks edits that graph in place: the copy gets its own, so the capture keeps its.
-    for module in gm.modules():
-        graph = eval_graph(module) if isinstance(module, fx.GraphModule) else None
-        if graph is not None:
-            replace_eval_graph(module, copy.deepcopy(graph))
+    gm = editable_copy(captured)
     del gm.meta[meta_keys.CAPTURED]
     gm.meta[meta_keys.TRACE] = dataclasses.replace(captured.meta[meta_keys.TRACE], reused=True)
     return gm
