@@ -82,8 +82,8 @@ class Outcome:
     steps: list[str] = field(default_factory=list)
 
 
-def _needs_cuda(source: str, decorators: list[ast.expr]) -> bool:
-    text = " ".join(ast.get_source_segment(source, d) or "" for d in decorators)
+def _needs_cuda(decorators: list[ast.expr]) -> bool:
+    text = " ".join(ast.unparse(d) for d in decorators)  # not get_source_segment: O(file) each
     return "mark.cuda" in text or "cuda.is_available" in text
 
 
@@ -99,17 +99,17 @@ def cuda_tests() -> list[str]:
         tree, name = ast.parse(source), str(path.relative_to(ROOT))
         whole = any(isinstance(n, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)
-            and "mark.cuda" in (ast.get_source_segment(source, n) or "") for n in tree.body)
+            and "mark.cuda" in ast.unparse(n) for n in tree.body)
         for node in tree.body:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith(
-                    "test") and (whole or _needs_cuda(source, node.decorator_list)):
+                    "test") and (whole or _needs_cuda(node.decorator_list)):
                 ids.append(f"{name}::{node.name}")
             elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-                marked = whole or _needs_cuda(source, node.decorator_list)
+                marked = whole or _needs_cuda(node.decorator_list)
                 ids += [f"{name}::{node.name}::{m.name}" for m in node.body
                         if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)
                         and m.name.startswith("test")
-                        and (marked or _needs_cuda(source, m.decorator_list))]
+                        and (marked or _needs_cuda(m.decorator_list))]
     return ids
 
 
