@@ -7,7 +7,8 @@ from torch import fx, nn
 from fxopt.analysis import alias_classes
 from fxopt.capture.trace import trace
 from fxopt.measure.peaks import measure_inference, measure_train_step
-from fxopt.planning.schedule import candidate_orders, dependencies, static_peak
+from fxopt.planning.schedule import (MIN_PROMISED_SAVING, candidate_orders, dependencies,
+                                     static_peak)
 from fxopt.verify.equivalence import verify
 from fxopt.passes.reorder import reorder
 
@@ -75,6 +76,25 @@ def test_a_chain_has_nothing_to_reorder():
     gm, result = check_pass(model, (torch.randn(3, 4),), reorder, expect_modified=False)
     assert result.stats["strategy"] == "original"
     assert "static screen" in result.stats["reason"]
+
+
+class TwoBranchesBesideALargeValue(TwoBranches):
+    """TwoBranches while a value 400 times larger than either temporary stays alive."""
+
+    def forward(self, x, large):
+        held = large * 1.0
+        return super().forward(x) + held.sum()
+
+
+def test_a_saving_too_small_to_matter_is_not_scored():
+    """The screen promises one temporary less, well under 1% of the peak: no fake run is made
+    to confirm it and the graph stays as written."""
+    model, x, large = TwoBranchesBesideALargeValue(), torch.randn(1, 8, 64), torch.randn(400, 8192)
+    gm, result = check_pass(model, (x, large), reorder, expect_modified=False)
+    screened = result.stats["screened"]
+    best = min(screened.values())
+    assert 0 < screened["original"] - best < MIN_PROMISED_SAVING * screened["original"]
+    assert "candidates" not in result.stats and "1%" in result.stats["reason"]
 
 
 class RandomBranches(nn.Module):
