@@ -17,7 +17,10 @@ Prediction: the solver's model is checked against ``estimate_peak`` (a fake-tens
 rewritten forward *and* backward, recomputation included); when the model was optimistic the
 budget given to the solver is lowered by the overshoot and the plan re-solved, so the predicted
 peak never exceeds the budget. An impossible budget raises ``BudgetError`` with the smallest peak
-this pass can reach.
+this pass can reach. Where no value forward saved for backward is alive at the unoptimized
+peak (``TrainPeak.saved_values_at_peak``: it comes at the end of backward, say, with every
+gradient and the returned logits alive), no region can lower it, so no plan is searched (no
+problem built, no node timed): ``"min"`` leaves the graph as it is, a lower budget raises.
 
 Recompute time: each forward node is timed once on the real device (``fxopt.analysis.node_timing``), so two
 runs can settle on different near-equal plans. ``profile=False`` plans from the FLOPs/bytes
@@ -64,7 +67,7 @@ from fxopt.core.torch_private import copy_codegen
 from fxopt.core.training_setup import TrainingSetup
 from fxopt.planning.budget import budget_bytes, is_min
 from fxopt.planning.checkpoint_problem import alias_roots, build_problem
-from fxopt.planning.checkpoint_search import least_memory_plan, search_plan
+from fxopt.planning.checkpoint_search import least_memory_plan, search_plan, unreachable_budget
 from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, fast_chunk_rows
 from fxopt.planning.solver import SELECTIVE, CheckpointPlan
 from fxopt.rewrite.loss_chunk_calls import LossChunks
@@ -113,7 +116,8 @@ class RegionStats(StatsItem):
 
 
 def _why_nothing_lowers(estimate: Any, loss_chunked: bool) -> str:
-    """In words, why ``"min"`` checkpoints nothing: what the predicted peak is made of."""
+    """In words, why ``"min"`` checkpoints nothing: what the predicted peak is made of, and
+    whether any value saved for backward is alive at it (if none is, no plan was searched)."""
     parts = [f"{format_bytes(estimate.baseline_bytes)} parameters, buffers and inputs"]
     if estimate.grad_bytes:
         parts.append(f"{format_bytes(estimate.grad_bytes)} parameter gradients")
@@ -125,6 +129,9 @@ def _why_nothing_lowers(estimate: Any, loss_chunked: bool) -> str:
            f"region recomputed in backward lowers the predicted peak of "
            f"{format_bytes(estimate.bytes)}, reached at {estimate.op} with "
            f"{', '.join(parts[:-1])} and {parts[-1]} alive")
+    if not estimate.saved_values_at_peak:
+        why += (" (none of them a value forward saved for backward, which is all a region can "
+                "drop: no plan was searched)")
     if loss_chunked:
         why += ("; the chunked loss sizes its token chunks to this peak (loss_chunk_rows): "
                 "what \"min\" saves here comes from the loss")
@@ -236,14 +243,20 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     target = budget_bytes(budget, peak=peak, activations=activations)
     stats: dict[str, Any] = {"budget_bytes": target, "predicted_before": peak,
                              "activation_bytes": activations}
-    problem, forward = build_problem(gm, profile=profile, training=training,
-                                     regions_across_blocks=regions_across_blocks)
+    where = f"checkpoint pass, budget={budget!r}"
+    gradients = 0 if estimate.fused.parameters else estimate.grad_bytes
+    beyond_reach = peak > target and not estimate.saved_values_at_peak
+    if beyond_reach and not is_min(budget):
+        raise unreachable_budget(target, peak, peak, where=where, activations=activations,
+                                 gradients=gradients)
+    problem, forward = (None, []) if beyond_reach else build_problem(
+        gm, profile=profile, training=training, regions_across_blocks=regions_across_blocks)
     predict = lambda candidate: _predict(gm, forward, candidate, training)  # noqa: E731
     plan, predicted = CheckpointPlan(), peak
     if peak <= target:
         pass
     elif is_min(budget):
-        found = least_memory_plan(problem, predict, max_region_atoms)
+        found = None if beyond_reach else least_memory_plan(problem, predict, max_region_atoms)
         if found is not None and found[0] < peak:
             predicted, plan = found
             stats["budget_bytes"] = predicted
@@ -253,9 +266,8 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     else:
         predicted, plan = search_plan(
             problem, target=target, unoptimized_peak=peak, predict=predict,
-            max_region_atoms=max_region_atoms, where=f"checkpoint pass, budget={budget!r}",
-            activations=activations,
-            gradients=0 if estimate.fused.parameters else estimate.grad_bytes)
+            max_region_atoms=max_region_atoms, where=where, activations=activations,
+            gradients=gradients)
     if loss_calls:
         limit = predicted if is_min(budget) else max(target, predicted)
         rows = loss_calls.widest(lambda: predict(plan) <= limit, fast_chunk_rows(training.device))

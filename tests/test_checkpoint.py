@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import importlib
 import io
 
 import pytest
@@ -20,6 +21,10 @@ from fxopt.core.state import preserved_state
 from fxopt.measure.peaks import measure_inference, measure_train_step
 from fxopt.verify.equivalence import verify
 from fxopt.passes.checkpoint import checkpoint
+from fxopt.planning.checkpoint_search import least_memory_plan
+from fxopt.core.training_setup import TrainingSetup
+
+CHECKPOINT_PASS = importlib.import_module("fxopt.passes.checkpoint")  # the name is the pass's
 
 
 def conv_stack(width: int = 12, depth: int = 6) -> nn.Module:
@@ -145,6 +150,53 @@ def test_min_budget_is_the_least_memory_plan_and_never_a_budget_error(model_and_
     assert gm.fxopt_report.verification.ok
     assert measure_train_step(gm, x).peak_bytes <= stats["predicted_after"]
     assert measure_train_step(gm, x).peak_bytes < measure_train_step(model, x).peak_bytes
+
+
+class WideEmbeddingLast(nn.Module):
+    """A vocabulary of 50,000 over a tiny body: the training peak comes at the end of backward,
+    where the embedding's dense gradient is made, and no value saved for backward is alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(50_000, 64)
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+
+    def forward(self, ids):
+        return self.body(self.embedding(ids)).square().mean()
+
+
+def test_a_peak_no_saved_value_is_alive_at_is_left_without_a_search(monkeypatch):
+    torch.manual_seed(0)
+    model, ids = WideEmbeddingLast(), torch.randint(0, 50_000, (2, 8))
+    gm = trace(model, ids)
+    estimate = estimate_train_peak(gm, ids)
+    assert estimate.op == "embedding_dense_backward" and estimate.forward_bytes == 0
+    assert not estimate.saved_values_at_peak
+    # the search it skips finds nothing lower either
+    problem, forward = CHECKPOINT_PASS.build_problem(gm, profile=False)
+    found = least_memory_plan(problem, lambda plan: CHECKPOINT_PASS._predict(
+        gm, forward, plan, TrainingSetup()), max_region_atoms=16)
+    assert found is None or found[0] >= estimate.bytes
+
+    def never(*args, **kwargs):
+        raise AssertionError("no problem is built for a peak no region can lower")
+
+    monkeypatch.setattr(CHECKPOINT_PASS, "build_problem", never)
+    result = checkpoint(trace(model, ids), budget="min")
+    assert not result.modified and "no plan was searched" in result.stats["reason"]
+    assert result.stats["budget_bytes"] == result.stats["predicted_after"] == estimate.bytes
+    with pytest.raises(BudgetError) as info:
+        checkpoint(trace(model, ids), budget=0.5)
+    assert info.value.smallest_bytes == estimate.bytes
+
+
+def test_values_saved_for_backward_are_seen_at_a_peak_they_make():
+    model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(32, 32), nn.Tanh())])
+    x = torch.randn(1024, 32)
+    estimate = estimate_train_peak(trace(model, x), x)
+    # tanh saves its output and each linear its input, the tanh before it: the first five
+    # (the sixth is the output), 128 KiB each
+    assert estimate.forward_bytes == 5 * 1024 * 32 * 4 and estimate.saved_values_at_peak
 
 
 def test_idempotent_and_generous_budget_is_a_no_op(model_and_input):

@@ -49,7 +49,7 @@ from fxopt.analysis.fused_gradients import (
     FusedStepModel,
     fused_steps_on_fakes,
 )
-from fxopt.analysis.memtrack import LiveStorageTracker, tag_live
+from fxopt.analysis.memtrack import LiveStorageTracker, tag_live, tag_untagged_live
 from fxopt.analysis.prediction_memo import remembered
 from fxopt.graph.fake_run import (
     on_fake_tensors,
@@ -77,6 +77,17 @@ class TrainPeak:
     fused: FusedStepModel = FusedStepModel()  # the user's optimizer steps fused into backward
     optimizer_step_bytes: int = 0  # temporaries of a fused optimizer step alive at the peak
     backward_from: str = ""      # what backward started from (``fxopt.core.step.describe_step``)
+    forward_bytes: int | None = None  # storages forward made and left alive, outputs aside
+    #                                   (what it saved for backward), alive at the peak; None
+    #                                   for a step without backward
+
+    @property
+    def saved_values_at_peak(self) -> bool:
+        """Whether values forward saved for backward are alive at the peak. When none are (the
+        peak comes after backward has freed them, or in forward among temporaries it never
+        saves), recomputing a region in backward cannot lower it: that only drops saved
+        values, and adds recomputed ones."""
+        return self.forward_bytes is None or self.forward_bytes > 0
 
     @property
     def activation_bytes(self) -> int:
@@ -153,10 +164,19 @@ def _predicted(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module
         baseline = storage_bytes((list(run.state.values()), run.inputs))
         tagged = tracker.tagged_bytes_at_peak
         return TrainPeak(baseline + tracker.peak_bytes, baseline, tagged.get(GRADIENT, 0),
-                         tracker.peak_op, fused, tagged.get(OPTIMIZER_STEP, 0), described or "")
+                         tracker.peak_op, fused, tagged.get(OPTIMIZER_STEP, 0), described or "",
+                         tagged.get(FORWARD_VALUE, 0) if train else None)
 
 
 GRADIENT = "parameter gradient"  # the tracker's tag for an accumulated ``.grad``
+OUTPUT, FORWARD_VALUE = "output", "forward value"  # what forward returned, and the rest it left
+
+
+def _tag_what_forward_left(output: Any) -> None:
+    """The storages alive when forward returns: its outputs, and the rest it made (the values
+    autograd saved for backward, mostly); a storage that forward freed has no tag."""
+    tag_live(output, OUTPUT)
+    tag_untagged_live(FORWARD_VALUE)
 
 
 @contextlib.contextmanager
@@ -199,7 +219,7 @@ def _inference(module: nn.Module, inputs: tuple) -> None:
 
 def _train(module: nn.Module, inputs: tuple) -> str:
     with training_flags(module, True), torch.enable_grad():
-        return describe_step(training_step(module, inputs))
+        return describe_step(training_step(module, inputs, after_forward=_tag_what_forward_left))
 
 
 def released_gradients(module: nn.Module, training: TrainingSetup) -> frozenset[str]:

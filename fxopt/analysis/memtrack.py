@@ -84,6 +84,15 @@ def tag_live(tensors: Any, tag: str) -> None:
                 live.tag = tag
 
 
+def tag_untagged_live(tag: str) -> None:
+    """Tag every storage that active trackers count as alive now and that has no tag yet: e.g.
+    what a forward made and left alive, once it returns (its outputs tagged first)."""
+    for tracker in _ACTIVE:
+        for live in tracker._live.values():
+            if live.tag is None and not live.ref.expired():
+                live.tag = tag
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Tracks bytes of storages created while active; ``peak_bytes`` is their maximum sum.
 

@@ -27,7 +27,7 @@ random-cotangent step, as every output did before.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,8 +166,12 @@ def backward_from(output: Any, seed: int = COTANGENT_SEED) -> bool:
     return True
 
 
-def training_step(module: torch.nn.Module, example_inputs: Any, seed: int = COTANGENT_SEED) -> Any:
-    """One forward + backward of ``module`` on ``example_inputs``; returns the forward output."""
+def training_step(module: torch.nn.Module, example_inputs: Any, seed: int = COTANGENT_SEED, *,
+                  after_forward: Callable[[Any], None] | None = None) -> Any:
+    """One forward + backward of ``module`` on ``example_inputs``; returns the forward output.
+    ``after_forward(output)`` runs between the two (a prediction tags what forward left)."""
     output = module(*as_args(example_inputs))
+    if after_forward is not None:
+        after_forward(output)
     backward_from(output, seed)
     return output

@@ -95,11 +95,19 @@ def search_plan(problem: CheckpointProblem, *, target: int, unoptimized_peak: in
         return _cheapest_fitting(problem, predict, target, smallest, target - overhead,
                                  max_region_atoms)
     smallest_peak = smallest[0] if smallest else unoptimized_peak
+    raise unreachable_budget(target, smallest_peak, unoptimized_peak, where=where,
+                             activations=activations, gradients=gradients)
+
+
+def unreachable_budget(target: int, smallest_peak: int, unoptimized_peak: int, *, where: str,
+                       activations: int | None = None, gradients: int = 0) -> BudgetError:
+    """The ``BudgetError`` for ``target`` bytes when the least predicted peak any plan reaches
+    is ``smallest_peak``."""
     fraction = ""
     if activations:
         fraction = (f", a fraction {1 - (unoptimized_peak - smallest_peak) / activations:.3f} "
                     "of the activation memory")
-    raise BudgetError(
+    return BudgetError(
         f"memory budget {_mib(target)} ({target:,} bytes) cannot be met: the smallest "
         f"predicted training peak this pass reaches is {_mib(smallest_peak)} "
         f"({smallest_peak:,} bytes{fraction}; unoptimized: {_mib(unoptimized_peak)})",
