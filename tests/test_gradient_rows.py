@@ -17,6 +17,7 @@ steps and drops one block of rows at a time. What these tests hold it to:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -214,6 +215,34 @@ def test_the_estimate_equals_a_real_step_that_takes_the_head_in_rows(tied, rows_
     finally:
         fused.remove()
     assert estimate.train_bytes - estimate.baseline_bytes == tracker.peak_bytes
+
+
+@pytest.mark.parametrize("rows_lookup", [False, True], ids=["head", "head_and_lookup"])
+def test_saved_tensor_hooks_around_the_step_keep_the_head_in_rows(rows_lookup):
+    """A loop under saved-tensor hooks (``torch.autograd.graph.save_on_cpu``, activation
+    offloading; fxopt's own estimate watches what backward takes back this way) gets back
+    other tensor objects than forward saved: the tied head's gradient still goes to its fused
+    step in rows, never whole, so the step peaks no higher than without the hooks."""
+    def detaching():
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t)
+
+    peaks = []
+    for hooks in (contextlib.nullcontext, detaching):
+        model = _model(True, rows_lookup=rows_lookup)
+        batch = _batch(model)
+        wrapped = _LossOf(model, batch)
+        fused = fxopt.fuse_optimizer(wrapped, torch.optim.AdamW, lr=1e-3, step_slice_bytes=2**14)
+        try:
+            training_step(wrapped, (batch[0],))
+            fused.step()  # AdamW's state exists from here on
+            tracker = LiveStorageTracker()
+            with tracker, hooks():
+                training_step(wrapped, (batch[0],))
+                fused.step()
+        finally:
+            fused.remove()
+        peaks.append(tracker.peak_bytes)
+    assert peaks[1] == peaks[0]
 
 
 def test_bfloat16_weights_with_the_loss_upcast_step_in_rows_on_any_device():

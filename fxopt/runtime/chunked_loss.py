@@ -369,7 +369,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.has = tuple(g is not None for g in kept)
         ctx.lead, ctx.rows_per_chunk, ctx.prefix = lead, max(1, rows_per_chunk), prefix
         ctx.has_bias = bias is not None
-        ctx.stepper = stepper
+        # the Parameter itself, beside its saved copy: the step is found by identity, and
+        # saved-tensor hooks (the user's, an estimate's) may unpack another tensor object
+        ctx.stepper, ctx.weight = stepper, weight if stepper is not None else None
         inputs = [flat, weight] + ([bias] if bias is not None else []) if (
             keep is not None and need_grad) else []
         if stepper is not None:  # what the weight's gradient is recomputed from, in rows
@@ -435,8 +437,8 @@ def _hand_over_weight_gradient(ctx: Any, saved: list[torch.Tensor],
         return _weight_gradient_rows(flat, weight, bias, target, scale, lse, first, last,
                                      transforms, smoothing)
 
-    stepper, ctx.stepper = ctx.stepper, None
-    return hand_over_rows(stepper, weight, rows_of)
+    stepper, parameter, ctx.stepper, ctx.weight = ctx.stepper, ctx.weight, None, None
+    return hand_over_rows(stepper, parameter, rows_of)
 
 
 def _weight_gradient_rows(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
