@@ -18,8 +18,9 @@ rewritten forward *and* backward, recomputation included); when the model was op
 budget given to the solver is lowered by the overshoot and the plan re-solved, so the predicted
 peak never exceeds the budget. An impossible budget raises ``BudgetError`` with the smallest peak
 this pass can reach. Where no value forward saved for backward is alive at the unoptimized
-peak (``TrainPeak.saved_values_at_peak``: it comes at the end of backward, say, with every
-gradient and the returned logits alive), no region can lower it, so no plan is searched (no
+peak and still held for backward (``TrainPeak.saved_values_at_peak``: it comes at the end of
+backward, say, with every gradient and the returned logits alive, or a gradient the chunked loss
+made in forward and its backward passed on), no region can lower it, so no plan is searched (no
 problem built, no node timed): ``"min"`` leaves the graph as it is, a lower budget raises.
 
 Recompute time: each forward node is timed once on the real device (``fxopt.analysis.node_timing``), so two

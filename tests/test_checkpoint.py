@@ -190,6 +190,49 @@ def test_a_peak_no_saved_value_is_alive_at_is_left_without_a_search(monkeypatch)
     assert info.value.smallest_bytes == estimate.bytes
 
 
+class TiedHeadLM(nn.Module):
+    """A vocabulary of 20,000 over a tiny body, the head tied to the embedding: once the loss is
+    chunked, its backward passes on the head's weight gradient (made in forward, saved for
+    backward), and the training peak comes where the embedding's own is added to it."""
+
+    def __init__(self, vocab: int = 20_000, dim: int = 32):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, ids, targets):
+        logits = self.head(self.body(self.embedding(ids)))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_a_saved_tensor_backward_has_taken_back_is_no_value_a_region_can_drop(monkeypatch):
+    torch.manual_seed(0)
+    model = TiedHeadLM()
+    ids, targets = torch.randint(0, 20_000, (2, 256)), torch.randint(0, 20_000, (2, 256))
+    chunked = fxopt.optimize(model, (ids, targets), verify=False, passes=["chunked_loss"])
+    assert chunked.fxopt_report.passes[0].stats["rewritten"] == 1
+
+    def never(*args, **kwargs):
+        raise AssertionError("no problem is built for a peak no region can lower")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(CHECKPOINT_PASS, "build_problem", never)
+        result = checkpoint(copy.deepcopy(chunked), budget="min")
+    assert "regions" not in result.stats and "no plan was searched" in result.stats["reason"]
+    assert "reached at add" in result.stats["reason"] and "loss_chunk_rows" in result.stats
+    # the search it skips finds nothing lower either
+    gm = copy.deepcopy(chunked)
+    CHECKPOINT_PASS.LossChunks(gm).set(CHECKPOINT_PASS.MIN_CHUNK_ROWS)
+    estimate = estimate_train_peak(gm, (ids, targets))
+    assert estimate.op == "add" and estimate.forward_bytes == 0
+    problem, forward = CHECKPOINT_PASS.build_problem(gm, profile=False)
+    found = least_memory_plan(problem, lambda plan: CHECKPOINT_PASS._predict(
+        gm, forward, plan, TrainingSetup()), max_region_atoms=16)
+    assert found is None or found[0] >= estimate.bytes
+
+
 def test_values_saved_for_backward_are_seen_at_a_peak_they_make():
     model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(32, 32), nn.Tanh())])
     x = torch.randn(1024, 32)

@@ -49,7 +49,12 @@ from fxopt.analysis.fused_gradients import (
     FusedStepModel,
     fused_steps_on_fakes,
 )
-from fxopt.analysis.memtrack import LiveStorageTracker, tag_live, tag_untagged_live
+from fxopt.analysis.memtrack import (
+    LiveStorageTracker,
+    mark_handed_back,
+    tag_live,
+    tag_untagged_live,
+)
 from fxopt.analysis.prediction_memo import remembered
 from fxopt.graph.fake_run import (
     on_fake_tensors,
@@ -60,7 +65,7 @@ from fxopt.analysis.blocks import block_parameter_names
 from fxopt.core.errors import BudgetError, InputError
 from fxopt.core.inputs import check_inputs
 from fxopt.core.step import as_args, describe_step, training_step
-from fxopt.core.tensors import storage_bytes, tensors_in
+from fxopt.core.tensors import storage_bytes, storage_key, tensors_in
 from fxopt.core.torch_private import FakeTensorMode
 from fxopt.core.training_setup import TrainingSetup
 from fxopt.runtime.fused_step import FusedOptimizers
@@ -78,15 +83,16 @@ class TrainPeak:
     optimizer_step_bytes: int = 0  # temporaries of a fused optimizer step alive at the peak
     backward_from: str = ""      # what backward started from (``fxopt.core.step.describe_step``)
     forward_bytes: int | None = None  # storages forward made and left alive, outputs aside
-    #                                   (what it saved for backward), alive at the peak; None
-    #                                   for a step without backward
+    #                                   (what it saved for backward), alive at the peak and not
+    #                                   taken back by backward before it; None for a step
+    #                                   without backward
 
     @property
     def saved_values_at_peak(self) -> bool:
-        """Whether values forward saved for backward are alive at the peak. When none are (the
-        peak comes after backward has freed them, or in forward among temporaries it never
-        saves), recomputing a region in backward cannot lower it: that only drops saved
-        values, and adds recomputed ones."""
+        """Whether values forward saved for backward are alive at the peak, still held for
+        backward. When none are (the peak comes after backward has freed them or taken them
+        back, or in forward among temporaries it never saves), recomputing a region in
+        backward cannot lower it: that only drops saved values, and adds recomputed ones."""
         return self.forward_bytes is None or self.forward_bytes > 0
 
     @property
@@ -162,7 +168,7 @@ def _predicted(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module
                 hint="trace the model with fxopt.trace() first: parts that read tensor values "
                      "become leaf modules, which the estimate stands in for") from error
         baseline = storage_bytes((list(run.state.values()), run.inputs))
-        tagged = tracker.tagged_bytes_at_peak
+        tagged = tracker.bytes_by_tag_at_peak(lapsing=(FORWARD_VALUE,))
         return TrainPeak(baseline + tracker.peak_bytes, baseline, tagged.get(GRADIENT, 0),
                          tracker.peak_op, fused, tagged.get(OPTIMIZER_STEP, 0), described or "",
                          tagged.get(FORWARD_VALUE, 0) if train else None)
@@ -218,8 +224,47 @@ def _inference(module: nn.Module, inputs: tuple) -> None:
 
 
 def _train(module: nn.Module, inputs: tuple) -> str:
-    with training_flags(module, True), torch.enable_grad():
+    with training_flags(module, True), torch.enable_grad(), _SavedForBackward().watched():
         return describe_step(training_step(module, inputs, after_forward=_tag_what_forward_left))
+
+
+class _SavedForBackward:
+    """What forward saved for backward, watched through autograd's saved-tensor hooks: once
+    backward has unpacked every saved copy of a storage, it no longer holds it for backward
+    (``mark_handed_back``). A forward value still alive at a later peak is then held for
+    something else, which no region can drop: a gradient that forward made and backward passed
+    on (the chunked loss's weight gradient, held until a tied embedding's own arrives).
+
+    Each pack returns a record of its own, so a backward that unpacks one twice counts once.
+    Backward gets back what autograd alone would give it where that matters: a leaf (a
+    parameter, an input) itself, since code may look it up by identity (the chunked loss hands
+    its weight's gradient to a fused step found by the weight); any other tensor as a detached
+    alias, never itself (``fxopt.analysis.saved``: a hook that holds a node's own output keeps
+    its graph alive). Checkpointed regions pack through their own hooks inside, unseen here:
+    their inputs stay forward values until the end."""
+
+    def __init__(self) -> None:
+        self.outstanding: dict[int, int] = {}  # storage key -> packs not unpacked yet
+
+    @contextlib.contextmanager
+    def watched(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, t: torch.Tensor) -> list:
+        key = storage_key(t)
+        self.outstanding[key] = self.outstanding.get(key, 0) + 1
+        return [t if t.grad_fn is None else t.detach(), key, False]
+
+    def _unpack(self, packed: list) -> torch.Tensor:
+        t, key, done = packed
+        if not done:
+            packed[2] = True
+            self.outstanding[key] -= 1
+            if not self.outstanding[key]:
+                del self.outstanding[key]
+                mark_handed_back(t)
+        return t
 
 
 def released_gradients(module: nn.Module, training: TrainingSetup) -> frozenset[str]:

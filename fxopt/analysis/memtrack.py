@@ -56,6 +56,7 @@ class _Live:
     nbytes: int
     tag: str | None = None
     storage: Any = None  # a weak reference to the storage object (``follow_resizes``)
+    handed_back: int | None = None  # the tracker's peak count when backward took it back
 
 
 _TAG: list[str | None] = [None]  # what storages allocated now are counted as (see ``tagged``)
@@ -93,6 +94,17 @@ def tag_untagged_live(tag: str) -> None:
                 live.tag = tag
 
 
+def mark_handed_back(tensors: Any) -> None:
+    """Note that backward has taken back these tensors that forward saved for it (autograd
+    unpacked them): a peak active trackers note from now on holds them for something else
+    (``bytes_by_tag_at_peak``'s ``lapsing`` tags)."""
+    for tracker in _ACTIVE:
+        for t in tensors_in(tensors):
+            live = tracker._live.get(storage_key(t))
+            if live is not None and not live.ref.expired():
+                live.handed_back = tracker._peaks
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Tracks bytes of storages created while active; ``peak_bytes`` is their maximum sum.
 
@@ -113,6 +125,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self._at_peak: dict[int, StorageWeakRef] = {}
         self._known: set[int] = set()
         self._live_at_peak: list[_Live] = []
+        self._peaks = 0  # how many times the peak rose
 
     def ignore(self, tensors: Any) -> None:
         """Treat these tensors' storages as pre-existing (never counted)."""
@@ -148,6 +161,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def _note_peak(self, op: str) -> None:
         if self.current_bytes > self.peak_bytes:
+            self._peaks += 1
             self.peak_bytes = self.current_bytes
             self.peak_op = op
             self._at_peak = {key: live.ref for key, live in self._live.items()}
@@ -184,10 +198,19 @@ class LiveStorageTracker(TorchDispatchMode):
     @property
     def tagged_bytes_at_peak(self) -> dict[str, int]:
         """Tag -> bytes of the storages with that tag (``tagged``, ``tag_live``) at the peak."""
+        return self.bytes_by_tag_at_peak()
+
+    def bytes_by_tag_at_peak(self, lapsing: tuple[str, ...] = ()) -> dict[str, int]:
+        """Tag -> bytes of the storages with that tag at the peak; a storage whose tag is one of
+        ``lapsing`` and that backward took back before the peak (``mark_handed_back``) counts
+        as untagged: e.g. a saved tensor of forward that backward turned into a gradient."""
         found: dict[str, int] = {}
         for live in self._live_at_peak:
-            if live.tag is not None:
-                found[live.tag] = found.get(live.tag, 0) + live.nbytes
+            tag = live.tag
+            if tag in lapsing and live.handed_back is not None and live.handed_back < self._peaks:
+                tag = None
+            if tag is not None:
+                found[tag] = found.get(tag, 0) + live.nbytes
         return found
 
     def __enter__(self) -> LiveStorageTracker:
