@@ -239,7 +239,8 @@ def checkpoint(gm: fx.GraphModule, *, budget: int | float | str = 0.5,
     training = training or TrainingSetup()
     loss_calls = LossChunks(gm)
     loss_calls.set(MIN_CHUNK_ROWS)  # planned around the least the loss can hold
-    estimate = estimate_train_peak(gm, placeholder_values(gm), training=training)
+    estimate = estimate_train_peak(gm, placeholder_values(gm), training=training,
+                                   watch_saved=True)
     peak, activations = estimate.bytes, estimate.activation_bytes
     target = budget_bytes(budget, peak=peak, activations=activations)
     stats: dict[str, Any] = {"budget_bytes": target, "predicted_before": peak,

@@ -258,6 +258,42 @@ def test_saved_lstm_workspace_is_counted_at_its_real_size():
     assert saved[n["_0"]].internal_bytes == workspace_bytes
 
 
+class _LstmHead(nn.Module):
+    """An LSTM (its CPU kernel's workspace is corrected on fakes), then ops fake tensors run
+    through decompositions (GELU's backward, LayerNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 8)
+        self.head = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16))
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0]).square().mean()
+
+
+def test_a_tracker_observing_the_fake_mode_counts_what_it_counts_stacked_above_it():
+    """Predictions count through ``LiveStorageTracker.observing(mode)`` (one trip through
+    Python per op fewer): the fake mode calls the tracker around each op it is handed, the ops
+    a dispatch mode stacked right above it sees, so both give the same timeline op by op. (The
+    first fake run of an op can differ from later ones: torch caches how a fake kernel's output
+    is made; a warm-up run comes first.)"""
+    from fxopt.analysis.memtrack import LiveStorageTracker
+    from fxopt.core.step import training_step
+    from fxopt.graph.fake_run import on_fake_tensors
+
+    model, x = _LstmHead(), torch.randn(5, 3, 6)
+    found = []
+    for observing in (False, False, True):
+        with on_fake_tensors(model, x) as run:
+            tracker = LiveStorageTracker(record_timeline=True)
+            with tracker.observing(run.mode) if observing else tracker:
+                training_step(model, run.inputs)
+        found.append((tracker.peak_bytes, tracker.peak_op, tracker.timeline))
+    assert found[2] == found[1]
+    assert {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "native_layer_norm"} <= {
+        op for op, _ in found[2][2]}
+
+
 def _real_saved_internal_bytes(module: nn.Module, x: torch.Tensor) -> int:
     """Bytes of saved tensors that are no input, output or parameter, from a real run."""
     known = {t.untyped_storage().data_ptr() for t in [x, *module.parameters()]}

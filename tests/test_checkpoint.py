@@ -225,8 +225,9 @@ def test_a_saved_tensor_backward_has_taken_back_is_no_value_a_region_can_drop(mo
     # the search it skips finds nothing lower either
     gm = copy.deepcopy(chunked)
     CHECKPOINT_PASS.LossChunks(gm).set(CHECKPOINT_PASS.MIN_CHUNK_ROWS)
-    estimate = estimate_train_peak(gm, (ids, targets))
+    estimate = estimate_train_peak(gm, (ids, targets), watch_saved=True)
     assert estimate.op == "add" and estimate.forward_bytes == 0
+    assert estimate_train_peak(gm, (ids, targets)).forward_bytes > 0  # unwatched: counted
     problem, forward = CHECKPOINT_PASS.build_problem(gm, profile=False)
     found = least_memory_plan(problem, lambda plan: CHECKPOINT_PASS._predict(
         gm, forward, plan, TrainingSetup()), max_region_atoms=16)

@@ -83,9 +83,9 @@ class TrainPeak:
     optimizer_step_bytes: int = 0  # temporaries of a fused optimizer step alive at the peak
     backward_from: str = ""      # what backward started from (``fxopt.core.step.describe_step``)
     forward_bytes: int | None = None  # storages forward made and left alive, outputs aside
-    #                                   (what it saved for backward), alive at the peak and not
-    #                                   taken back by backward before it; None for a step
-    #                                   without backward
+    #                                   (what it saved for backward), alive at the peak (and,
+    #                                   predicted with ``watch_saved``, not taken back by
+    #                                   backward before it); None for a step without backward
 
     @property
     def saved_values_at_peak(self) -> bool:
@@ -139,12 +139,13 @@ def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, 
     are held while their op runs. Inside ``predictions_remembered`` (one ``optimize`` call), a
     prediction asked for again is answered from memory (``fxopt.analysis.prediction_memo``)."""
     return remembered(step.__name__, module, example_inputs, training,
-                      lambda: _predicted(module, example_inputs, step, training))
+                      lambda: _predicted(module, example_inputs, step, training),
+                      also_answers=("_train",) if step is _train_watching_saved else ())
 
 
 def _predicted(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], Any],
                training: TrainingSetup) -> TrainPeak:
-    train = step is _train
+    train = step in (_train, _train_watching_saved)
     real = dict(module.named_parameters(remove_duplicate=False)) if train else {}
     fused_optimizer = training.fused_optimizer if train else None
     released = released_gradients(module, training) if train else frozenset()
@@ -156,7 +157,7 @@ def _predicted(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module
             t.grad = None
         tracker = LiveStorageTracker(device_memory=training.device_memory)
         try:
-            with tracker, training.precision():
+            with tracker.observing(run.mode), training.precision():
                 described = step(module, run.inputs)
         except InputError:  # an opaque leaf asked at sizes it was not run at says so itself
             raise
@@ -224,8 +225,16 @@ def _inference(module: nn.Module, inputs: tuple) -> None:
 
 
 def _train(module: nn.Module, inputs: tuple) -> str:
-    with training_flags(module, True), torch.enable_grad(), _SavedForBackward().watched():
+    with training_flags(module, True), torch.enable_grad():
         return describe_step(training_step(module, inputs, after_forward=_tag_what_forward_left))
+
+
+def _train_watching_saved(module: nn.Module, inputs: tuple) -> str:
+    """``_train``, watching what backward takes back of what forward saved
+    (``_SavedForBackward``): a run 6-14% slower, for the prediction whose ``forward_bytes``
+    decides something (the checkpoint pass's first)."""
+    with _SavedForBackward().watched():
+        return _train(module, inputs)
 
 
 class _SavedForBackward:
@@ -278,11 +287,15 @@ def released_gradients(module: nn.Module, training: TrainingSetup) -> frozenset[
 
 
 def estimate_train_peak(module: nn.Module, example_inputs: Any, *,
-                        training: TrainingSetup | None = None) -> TrainPeak:
+                        training: TrainingSetup | None = None,
+                        watch_saved: bool = False) -> TrainPeak:
     """Predicted training-step peak of ``module`` on ``example_inputs`` (no inference run), for
     the training ``training`` describes (default: full precision, no fused optimizer step, not
-    sharded)."""
-    return _tracked(module, example_inputs, _train, training or TrainingSetup())
+    sharded). ``watch_saved``: ``forward_bytes`` leaves out what backward had taken back by
+    the peak (``_SavedForBackward``); without it, it counts all forward left alive, which can
+    only be more."""
+    step = _train_watching_saved if watch_saved else _train
+    return _tracked(module, example_inputs, step, training or TrainingSetup())
 
 
 def estimate_inference_peak(module: nn.Module, example_inputs: Any, *,

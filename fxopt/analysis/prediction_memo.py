@@ -62,10 +62,11 @@ def predictions_remembered() -> Iterator[PredictionCounts]:
 
 
 def remembered(what: str, module: nn.Module, inputs: Any, training: Hashable,
-               predict: Callable[[], T]) -> T:
+               predict: Callable[[], T], *, also_answers: tuple[str, ...] = ()) -> T:
     """``predict()``, or its result from earlier inside the same ``predictions_remembered``
     scope for an equal ``(what, fingerprint(module, inputs), training)``. A ``predict`` that
-    raises is not remembered."""
+    raises is not remembered. ``also_answers``: the other ``what``s its result answers too (a
+    prediction that finds out more than they ask)."""
     memo = _MEMO.get()
     if memo is None:
         return predict()
@@ -81,7 +82,8 @@ def remembered(what: str, module: nn.Module, inputs: Any, training: Hashable,
     result = predict()
     memo.counts.run += 1
     if key is not None:
-        memo.results[key] = result
+        for name in (what, *also_answers):
+            memo.results[(name, *key[1:])] = result
         memo.pinned.extend(pinned)
     return result
 

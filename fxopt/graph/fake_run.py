@@ -241,10 +241,36 @@ class RealSizedFakeMode(FakeTensorMode):
     prediction, measured on the densenet121 and the Llama of ``benchmarks/optimize_speed.py``),
     for the one op that needs it."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._observer: Any = None
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def observed_by(self, observer: Any) -> Iterator[None]:
+        """Inside: ``observer.before_op()`` and ``observer.after_op(func, args, kwargs, out)``
+        run around every op handed to this mode (not the ops its own kernels and
+        decompositions run inside one), as a dispatch mode stacked right above it would see
+        them (``fxopt.analysis.memtrack.LiveStorageTracker.observing``)."""
+        previous, self._observer = self._observer, observer
+        try:
+            yield
+        finally:
+            self._observer = previous
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func is _MKLDNN_RNN_LAYER:
-            out = self._with_real_workspace(out, func, args, kwargs or {})
+        observer = self._observer if self._depth == 0 else None
+        if observer is not None:
+            observer.before_op()
+        self._depth += 1
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func is _MKLDNN_RNN_LAYER:
+                out = self._with_real_workspace(out, func, args, kwargs or {})
+        finally:
+            self._depth -= 1
+        if observer is not None:
+            observer.after_op(func, args, kwargs, out)
         return out
 
     def _with_real_workspace(self, out: tuple, func: Any, args: Any, kwargs: dict) -> tuple:
