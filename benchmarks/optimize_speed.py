@@ -13,7 +13,8 @@ torch.export captures is also optimized with ``dynamic=False`` (two static trace
 three symbolic ones), in rows marked ``static``.
 
 torch is pinned to ``--threads`` threads so the figure does not depend on what else runs; the
-machine's other load still shows in the spread.
+machine's other load still shows in the spread. The commit printed is that of the ``fxopt``
+imported (``PYTHONPATH=<another worktree>`` measures that worktree's code with this script).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def main() -> None:
     emit(f"# benchmarks/optimize_speed.py -- {datetime.date.today()}; device: "
          f"{device_name(torch.device('cpu'))}, {options.threads} thread(s); torch "
          f"{torch.__version__}; code: commit "
-         f"{code_commit(Path(__file__).resolve().parent.parent) or '(unknown)'}")
+         f"{code_commit(Path(fxopt.__file__).resolve().parents[1]) or '(unknown)'}")
     emit(f"# command: python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}")
     emit("# step: median wall time of the original's training step (forward+backward); optimize: "
          f"median of {options.repeats} runs (min-max); steps = optimize / step; phases: medians, "
