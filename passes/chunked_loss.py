@@ -103,7 +103,8 @@ def chunked_loss(gm: fx.GraphModule, *, outputs: str | None = None,
         # the planner's use: only where the predicted training peak goes down
         candidate = _copy(gm)
         records, skipped = _apply(candidate, **options)
-        LossChunks(candidate).set(MIN_CHUNK_ROWS)  # as the checkpoint pass plans it
+        chunks = LossChunks(candidate)
+        chunks.set(MIN_CHUNK_ROWS)  # as the checkpoint pass plans it
         if not records:
             return PassResult(gm, False, {**stats, "rewritten": 0, "sites": [],
                                           "skipped": skipped})
@@ -116,7 +117,13 @@ def chunked_loss(gm: fx.GraphModule, *, outputs: str | None = None,
                             f"{before} B" for r in records})
             return PassResult(gm, False, {**stats, "rewritten": 0, "sites": [],
                                           "skipped": skipped})
-    records, skipped = _apply(gm, **options)
+        chunks.set(None)  # open again: the checkpoint pass sizes it
+        # the candidate is the rewrite, its meta refreshed: rewriting gm again would repeat
+        # that refresh, a fake run of the whole graph (1.9 s on issue 36's 1B model)
+        gm.graph = candidate.graph
+        gm.recompile()
+    else:
+        records, skipped = _apply(gm, **options)
     for record in records:
         if "predicted_before" in stats:  # the loss's share of the predicted peak
             record["loss_share_before"] = round(

@@ -34,7 +34,7 @@ class LossChunks:
     def __bool__(self) -> bool:
         return bool(self.calls)
 
-    def set(self, rows: int) -> None:
+    def set(self, rows: int | None) -> None:
         for call in self.calls:
             call.kwargs = {**call.kwargs, "chunk_rows": rows}
         if self.calls:
