@@ -1,14 +1,16 @@
 """How long ``fxopt.optimize`` takes on issue 36's language model, without verification.
 
     python benchmarks/optimize_lm_1b.py [--layers 8] [--seq 2048] [--batch 2]
-                                        [--budget min] [--out FILE]
+                                        [--budget min] [--static-shapes] [--out FILE]
 
 The Llama-3.2-1B-width model of ``benchmarks/lm_memory.py`` (``LLAMA_1B``: hidden 2,048,
 vocab 128,256, tied embeddings) in bfloat16, random-init, ``memory_budget="min"``, labels
 given: the setup whose GPU goal is 15 s. ``verify=False``, since on a CPU the two training
 steps verification runs take minutes at this size; ``benchmarks/optimize_speed.py`` measures
 verification on smaller models. Prints the report's phases, the fake-tensor predictions and
-each pass's time: what is left to cut. On a GPU add ``--device cuda``.
+each pass's time: what is left to cut. On a GPU add ``--device cuda``. ``--static-shapes``:
+``dynamic=False``, two static torch.export traces instead of three symbolic ones, as
+``benchmarks/cuda_suite.py`` runs ``lm_memory.py`` on this model.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--budget", default="min")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--static-shapes", action="store_true")
     parser.add_argument("--out", default=None)
     options = parser.parse_args()
     import transformers
@@ -48,7 +51,8 @@ def main() -> None:
     budget = options.budget if options.budget == "min" else float(options.budget)
     started = time.perf_counter()
     slim = fxopt.optimize(model, (), example_kwargs={"input_ids": ids, "labels": ids},
-                          memory_budget=budget, verify=False)
+                          memory_budget=budget, verify=False,
+                          dynamic=not options.static_shapes)
     total = time.perf_counter() - started
     report = slim.fxopt_report
     lines = [
