@@ -120,8 +120,7 @@ def chunked_loss(gm: fx.GraphModule, *, outputs: str | None = None,
         chunks.set(None)  # open again: the checkpoint pass sizes it
         # the candidate is the rewrite, its meta refreshed: rewriting gm again would repeat
         # that refresh, a fake run of the whole graph (1.9 s on issue 36's 1B model)
-        gm.graph = candidate.graph
-        gm.recompile()
+        gm.graph = candidate.graph  # the setter recompiles gm
     else:
         records, skipped = _apply(gm, **options)
     for record in records:

@@ -140,7 +140,7 @@ def _tracked(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, 
     prediction asked for again is answered from memory (``fxopt.analysis.prediction_memo``)."""
     return remembered(step.__name__, module, example_inputs, training,
                       lambda: _predicted(module, example_inputs, step, training),
-                      also_answers=("_train",) if step is _train_watching_saved else ())
+                      also_answers=(_train.__name__,) if step is _train_watching_saved else ())
 
 
 def _predicted(module: nn.Module, example_inputs: Any, step: Callable[[nn.Module, tuple], Any],
