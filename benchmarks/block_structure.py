@@ -94,7 +94,7 @@ def main() -> None:
     out = TeeOutput(args.out)
     out(f"# block structure vs the least-memory plan, CPU, 1 thread -- "
         f"{datetime.date.today().isoformat()}, torch {torch.__version__}, "
-        f"commit {code_commit(ROOT) or 'unknown'}")
+        f"commit {code_commit() or 'unknown'}")
     out(f"# command: python benchmarks/block_structure.py {' '.join(sys.argv[1:])}")
     out()
     out(f"{'model':<16} {'kept KiB':>9} {'across KiB':>11} {'kept/across':>12} "

@@ -51,7 +51,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent  # the checkout whose commit the table names
 
 MIB = 1024 * 1024
 TRACEBACK_LINES = 15
@@ -368,7 +367,7 @@ def results_header(args: argparse.Namespace, todo: int, done: int) -> str:
             versions.append(f"{library} not installed")
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     return (f"fxopt ecosystem coverage sweep; {datetime.date.today().isoformat()}; fxopt "
-            f"{code_commit(ROOT) or '(commit unknown)'}; "
+            f"{code_commit() or '(commit unknown)'}; "
             f"device: {device_name(torch.device('cpu'))} per model, "
             f"{args.jobs} at once; torch {torch.__version__}; {', '.join(versions)}\n"
             f"budget {args.budget}; {todo} to run, {done} already done; command: {command}")

@@ -123,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     out = TeeOutput(args.out)
     out(f"# FSDP2 on CPU, 2 gloo processes, 1 thread each -- {datetime.date.today().isoformat()}, "
-        f"torch {torch.__version__}, commit {code_commit(ROOT) or 'unknown'}")
+        f"torch {torch.__version__}, commit {code_commit() or 'unknown'}")
     out(f"# command: python benchmarks/fsdp.py {' '.join(sys.argv[1:])}")
     out(f"# LlamaForCausalLM vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
         f"seq {args.seq}, batch {args.batch} per rank, float32, AdamW")

@@ -57,7 +57,6 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -73,7 +72,6 @@ from fxopt.runtime.fused_step import FusedOptimizer
 from fxopt.verify.fused_training import verify_fused_training
 
 MiB = 2**20
-ROOT = Path(__file__).resolve().parent.parent
 ISSUE_MODELS = ("smp_unet_resnet18", "timm_lowformer_b0", "timm_resnet33ts")
 ZOO_MODELS = ("mnist_net", "resnet18", "mobilenet_v2", "transformer_lm", "unet")
 OPTIMIZERS: dict[str, tuple[type, dict]] = {
@@ -260,7 +258,7 @@ def main() -> int:
         f"{torch.get_num_threads()} of {os.cpu_count()} cores")
     out(f"# command: {shlex.join([sys.executable, *sys.argv])}")
     malloc = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_"))
-    commit = code_commit(ROOT, ("fxopt", "passes", "benchmarks/fused_step.py"))
+    commit = code_commit(None, ("fxopt", "passes", "benchmarks/fused_step.py"))
     out(f"# code: commit {commit or '(unknown)'}; allocator: glibc malloc"
         f"{', ' + malloc if malloc else ' with its default settings'}")
     out(f"# peak MiB: whole training-step peak at step {args.steps} (parameters, buffers, inputs, "

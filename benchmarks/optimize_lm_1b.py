@@ -58,7 +58,7 @@ def main() -> None:
     lines = [
         f"# benchmarks/optimize_lm_1b.py -- {datetime.date.today()}; device: "
         f"{device_name(device)}; torch {torch.__version__}; code: commit "
-        f"{code_commit(Path(fxopt.__file__).resolve().parents[1]) or '(unknown)'}",
+        f"{code_commit() or '(unknown)'}",
         f"# command: python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}",
         f"optimize {total:.2f} s; phases: "
         + ", ".join(f"{k} {v:.2f}" for k, v in report.seconds.items())

@@ -146,7 +146,7 @@ def main() -> None:
     emit(f"# benchmarks/optimize_speed.py -- {datetime.date.today()}; device: "
          f"{device_name(torch.device('cpu'))}, {options.threads} thread(s); torch "
          f"{torch.__version__}; code: commit "
-         f"{code_commit(Path(fxopt.__file__).resolve().parents[1]) or '(unknown)'}")
+         f"{code_commit() or '(unknown)'}")
     emit(f"# command: python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}")
     emit("# step: median wall time of the original's training step (forward+backward); optimize: "
          f"median of {options.repeats} runs (min-max); steps = optimize / step; phases: medians, "

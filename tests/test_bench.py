@@ -173,3 +173,26 @@ def test_bench_train_peak_includes_parameters_as_optimize_does():
     # the same measurement: bench reads fxopt.measure_train_step (it used to read the allocator,
     # a few kilobytes of kernel scratch more, and disagreed with optimize's report)
     assert original.train_peak_bytes == measured.peak_bytes
+
+
+def test_results_name_the_commit_of_the_fxopt_that_ran(tmp_path):
+    """A results header names the checkout the imported ``fxopt`` came from (an A/B through
+    ``PYTHONPATH`` names each side's own commit), and says when its code differs from it."""
+    import subprocess
+    from pathlib import Path
+
+    import fxopt
+    from fxopt.bench.environment import code_commit, imported_checkout
+
+    assert imported_checkout() / "fxopt" / "__init__.py" == Path(fxopt.__file__).resolve()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    (tmp_path / "fxopt").mkdir()
+    (tmp_path / "fxopt" / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True, text=True,
+                         capture_output=True).stdout.strip()
+    assert code_commit(tmp_path) == sha
+    (tmp_path / "fxopt" / "a.py").write_text("x = 2\n")
+    assert code_commit(tmp_path) == f"{sha}+changes"

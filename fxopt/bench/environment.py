@@ -28,10 +28,21 @@ def device_name(device: torch.device | str) -> str:
     return f"CPU {cpu}, {threads} thread{'s' if threads != 1 else ''}"
 
 
-def code_commit(root: Path, paths: tuple[str, ...] = ("fxopt", "passes")) -> str | None:
+def imported_checkout() -> Path:
+    """The folder holding the ``fxopt`` package this process imported: with ``PYTHONPATH``
+    pointing at another worktree (an A/B of two commits), that worktree, not the checkout of
+    the script that runs."""
+    import fxopt
+    return Path(fxopt.__file__).resolve().parents[1]
+
+
+def code_commit(root: Path | None = None, paths: tuple[str, ...] = ("fxopt", "passes")
+                ) -> str | None:
     """``"<short sha>"``, or ``"<short sha>+changes"`` when tracked files under ``paths`` (of
-    the checkout at ``root``) differ from it: the code a benchmark's figures belong to. None
-    where ``root`` is no git checkout (or git is missing)."""
+    the checkout at ``root``, by default the imported fxopt's: ``imported_checkout``) differ
+    from it: the code a benchmark's figures belong to. None where ``root`` is no git checkout
+    (or git is missing)."""
+    root = imported_checkout() if root is None else root
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                              capture_output=True, timeout=10, check=True).stdout.strip()
@@ -62,6 +73,6 @@ def header(script: str | Path, device: str, *details: str) -> list[str]:
     ``details`` (other libraries' versions), the code's commit, then the command as run."""
     script = Path(script).resolve()
     about = "; ".join((f"device: {device}", f"torch {torch.__version__}", *details,
-                       f"code {code_commit(script.parents[1])}"))
+                       f"code {code_commit()}"))
     return [f"# benchmarks/{script.name} -- {datetime.date.today()}; {about}",
             f"# command: python benchmarks/{script.name} {' '.join(sys.argv[1:])}".rstrip()]
