@@ -46,7 +46,7 @@ import torch
 
 from fxopt.core.tensors import allocated_bytes, storage_key, tensors_in
 from fxopt.core.training_setup import DeviceMemory, op_signature
-from fxopt.core.torch_private import StorageWeakRef
+from fxopt.core.torch_private import StorageWeakRef, storage_expired
 from fxopt.core.torch_private import TorchDispatchMode
 
 
@@ -132,7 +132,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self._known.update(storage_key(t) for t in tensors_in(tensors))
 
     def _collect_freed(self) -> None:
-        for key in [k for k, live in self._live.items() if live.ref.expired()]:
+        for key in [k for k, live in self._live.items() if storage_expired(live.ref.cdata)]:
             self.current_bytes -= self._live.pop(key).nbytes
             self._known.discard(key)
         if self.follow_resizes:

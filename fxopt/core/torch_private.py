@@ -278,6 +278,12 @@ def uncompiled(module: nn.Module) -> nn.Module:
     return module._orig_mod if isinstance(module, OptimizedModule) else module
 
 
+# Whether the storage a ``StorageWeakRef.cdata`` points at is freed: what
+# ``StorageWeakRef.expired`` calls, without its Python frame (a memory tracker asks it of every
+# live storage, often).
+storage_expired = torch.Storage._expired
+
+
 __all__ = [
     "BatchNormBase",
     "COMPILED_CALL",
@@ -288,6 +294,7 @@ __all__ = [
     "GRAPH_MODULE_CONTAINERS",
     "RNN_WEIGHT_REBUILD",
     "StorageWeakRef",
+    "storage_expired",
     "checkpoint_calls_refused",
     "view_base",
     "FakeTensor",
