@@ -637,3 +637,40 @@ def test_a_gradient_that_is_rounding_noise_alone_is_not_a_change_of_function():
         Op("reuse", (4,), (("of", 2),))), outputs=(9,), output_form="tuple", seed=0)
     model, x = build(spec)
     optimize(model, x, passes=[("pad_channels", {"force": True})])
+
+
+class KeepsItsOutput(nn.Module):
+    """Returns, beside its loss, a tensor it keeps and overwrites on every call (an output
+    cache); ``out`` may be another model's tensor object, so one call overwrites what the other
+    returned."""
+
+    def __init__(self, scale: float, out: torch.Tensor | None = None, keeps: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3)
+        self.scale, self.keeps = scale, keeps
+        self.out = torch.zeros(8, 3) if out is None else out
+
+    def forward(self, x):
+        y = self.fc(x)
+        if not self.keeps:
+            return y.sum(), y * self.scale
+        with torch.no_grad():
+            self.out.copy_(y * self.scale)
+        return y.sum(), self.out
+
+
+def test_an_output_overwritten_after_it_was_recorded_is_compared_as_it_was_returned():
+    """verify compares each output as its model returned it: a write into it afterwards -- the
+    candidate's call overwriting the tensor both models return, or a model's own eval call
+    overwriting what its train call returned -- changes nothing in the comparison. Kept as
+    aliases instead of copies, the two records would show the candidate's values twice and a
+    changed output would pass."""
+    ref = KeepsItsOutput(1.0)
+    cand = KeepsItsOutput(2.0, out=ref.out)
+    report = verify(ref, cand, torch.randn(8, 4))
+    assert where(report) == [("eval_output", "output[1]"), ("output", "output[1]")], report
+    assert not report.ok
+    for keeps in (True, False):  # each overwrites its own in eval; fresh outputs
+        assert verify(KeepsItsOutput(1.0, keeps=keeps), KeepsItsOutput(1.0, keeps=keeps),
+                      torch.randn(8, 4)).ok
