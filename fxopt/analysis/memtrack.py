@@ -143,7 +143,7 @@ class LiveStorageTracker(TorchDispatchMode):
                     live.nbytes = storage.nbytes()
             self._note_peak("resize")
 
-    def _add(self, t: torch.Tensor, op: str) -> None:
+    def _add(self, t: torch.Tensor) -> None:
         key = storage_key(t)
         if key in self._known and key not in self._live:
             return
@@ -155,9 +155,6 @@ class LiveStorageTracker(TorchDispatchMode):
         storage = weakref.ref(t.untyped_storage()) if self.follow_resizes else None
         self._live[key] = _Live(StorageWeakRef(t.untyped_storage()), nbytes, _TAG[0], storage)
         self.current_bytes += nbytes
-        if self.current_bytes > self.peak_bytes:  # an upper bound until collected: make it exact
-            self._collect_freed()
-        self._note_peak(op)
 
     def _note_peak(self, op: str) -> None:
         if self.current_bytes > self.peak_bytes:
@@ -197,7 +194,10 @@ class LiveStorageTracker(TorchDispatchMode):
         reused = {storage_key(t) for t in tensors_in((args, kwargs))}
         for t in tensors_in(out):
             if storage_key(t) not in reused:
-                self._add(t, name)
+                self._add(t)
+        if self.current_bytes > self.peak_bytes:  # an upper bound until collected: make it exact
+            self._collect_freed()  # once per op, after all its outputs: the op's peak is then
+            self._note_peak(name)  # the same as after its last output, for one scan, not one each
         if self.record_timeline or self.follow_resizes:
             self._collect_freed()
         if self.device_memory is not None:
