@@ -126,6 +126,12 @@ class LiveStorageTracker(TorchDispatchMode):
         self._known: set[int] = set()
         self._live_at_peak: list[_Live] = []
         self._peaks = 0  # how many times the peak rose
+        # What was live at the peak is written down (``_at_peak``, ``_live_at_peak``) only when
+        # asked for, not each time the peak rises (in a forward nearly every op raises it):
+        # until then, what was added since it rose (by object id, kept alive so no id is
+        # reused) and what that was live at it has gone since, with its key; None once written.
+        self._added_since_peak: dict[int, _Live] | None = None
+        self._gone_since_peak: list[tuple[int, _Live]] = []
 
     def ignore(self, tensors: Any) -> None:
         """Treat these tensors' storages as pre-existing (never counted)."""
@@ -133,7 +139,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def _collect_freed(self) -> None:
         for key in [k for k, live in self._live.items() if storage_expired(live.ref.cdata)]:
-            self.current_bytes -= self._live.pop(key).nbytes
+            self.current_bytes -= self._pop(key).nbytes
             self._known.discard(key)
         if self.follow_resizes:
             for live in self._live.values():
@@ -150,19 +156,39 @@ class LiveStorageTracker(TorchDispatchMode):
         if key in self._live:
             if not self._live[key].ref.expired():
                 return
-            self.current_bytes -= self._live.pop(key).nbytes  # address reused after a free
+            self.current_bytes -= self._pop(key).nbytes  # address reused after a free
         nbytes = allocated_bytes(t)
         storage = weakref.ref(t.untyped_storage()) if self.follow_resizes else None
-        self._live[key] = _Live(StorageWeakRef(t.untyped_storage()), nbytes, _TAG[0], storage)
+        live = self._live[key] = _Live(StorageWeakRef(t.untyped_storage()), nbytes, _TAG[0],
+                                       storage)
         self.current_bytes += nbytes
+        if self._added_since_peak is not None:
+            self._added_since_peak[id(live)] = live
+
+    def _pop(self, key: int) -> _Live:
+        live = self._live.pop(key)
+        if self._added_since_peak is not None and id(live) not in self._added_since_peak:
+            self._gone_since_peak.append((key, live))
+        return live
 
     def _note_peak(self, op: str) -> None:
         if self.current_bytes > self.peak_bytes:
             self._peaks += 1
             self.peak_bytes = self.current_bytes
             self.peak_op = op
-            self._at_peak = {key: live.ref for key, live in self._live.items()}
-            self._live_at_peak = list(self._live.values())
+            self._added_since_peak, self._gone_since_peak = {}, []
+
+    def _keep_peak(self) -> None:
+        """Write down what was live at the peak, if not yet: what is live now and was not added
+        since, and what has gone since."""
+        added = self._added_since_peak
+        if added is None:
+            return
+        at_peak = [*((key, live) for key, live in self._live.items() if id(live) not in added),
+                   *self._gone_since_peak]
+        self._at_peak = {key: live.ref for key, live in at_peak}
+        self._live_at_peak = [live for _, live in at_peak]
+        self._added_since_peak, self._gone_since_peak = None, []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.before_op()
@@ -224,6 +250,7 @@ class LiveStorageTracker(TorchDispatchMode):
         """Tag -> bytes of the storages with that tag at the peak; a storage whose tag is one of
         ``lapsing`` and that backward took back before the peak (``mark_handed_back``) counts
         as untagged: e.g. a saved tensor of forward that backward turned into a gradient."""
+        self._keep_peak()
         found: dict[str, int] = {}
         for live in self._live_at_peak:
             tag = live.tag
@@ -242,6 +269,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
         Keys are addresses: a storage at the address of one freed since the peak (common with
         fake tensors) is another storage, so only peak storages still alive are matched."""
+        self._keep_peak()
         seen, total = set(), 0
         for t in tensors_in(tensors):
             key = storage_key(t)
