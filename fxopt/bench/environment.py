@@ -31,9 +31,8 @@ def device_name(device: torch.device | str) -> str:
 def imported_checkout() -> Path:
     """The folder holding the ``fxopt`` package this process imported: with ``PYTHONPATH``
     pointing at another worktree (an A/B of two commits), that worktree, not the checkout of
-    the script that runs."""
-    import fxopt
-    return Path(fxopt.__file__).resolve().parents[1]
+    the script that runs. This module is part of that package: fxopt/bench/environment.py."""
+    return Path(__file__).resolve().parents[2]
 
 
 def code_commit(root: Path | None = None, paths: tuple[str, ...] = ("fxopt", "passes")
