@@ -1,11 +1,16 @@
 """fxopt.measure.allocations, fxopt.bench.peers and fxopt.bench: peers built faithfully, measured honestly."""
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+import fxopt
 from fxopt.bench.peers import build_peer, single_value_cuts
 from fxopt.bench.before_after import PEAK_DEFINITION, BeforeAfter
+from fxopt.bench.environment import code_commit, imported_checkout
 from fxopt.bench.runs import bench, format_table, step_peak_bytes
 from fxopt.bench.spread import StepTimes, TimeChange
 from fxopt.capture.trace import trace
@@ -178,12 +183,6 @@ def test_bench_train_peak_includes_parameters_as_optimize_does():
 def test_results_name_the_commit_of_the_fxopt_that_ran(tmp_path):
     """A results header names the checkout the imported ``fxopt`` came from (an A/B through
     ``PYTHONPATH`` names each side's own commit), and says when its code differs from it."""
-    import subprocess
-    from pathlib import Path
-
-    import fxopt
-    from fxopt.bench.environment import code_commit, imported_checkout
-
     assert imported_checkout() / "fxopt" / "__init__.py" == Path(fxopt.__file__).resolve()
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
     (tmp_path / "fxopt").mkdir()

@@ -129,7 +129,8 @@ class LiveStorageTracker(TorchDispatchMode):
         # What was live at the peak is written down (``_at_peak``, ``_live_at_peak``) only when
         # asked for, not each time the peak rises (in a forward nearly every op raises it):
         # until then, what was added since it rose (by object id, kept alive so no id is
-        # reused) and what that was live at it has gone since, with its key; None once written.
+        # reused) and, with their keys, what was live at it and has gone since; None once
+        # written.
         self._added_since_peak: dict[int, _Live] | None = None
         self._gone_since_peak: list[tuple[int, _Live]] = []
 
@@ -224,7 +225,7 @@ class LiveStorageTracker(TorchDispatchMode):
         if self.current_bytes > self.peak_bytes:  # an upper bound until collected: make it exact
             self._collect_freed()  # once per op, after all its outputs: the op's peak is then
             self._note_peak(name)  # the same as after its last output, for one scan, not one each
-        if self.record_timeline or self.follow_resizes:
+        elif self.record_timeline or self.follow_resizes:
             self._collect_freed()
         if self.device_memory is not None:
             self._note_workspace(func, args, kwargs, name)
