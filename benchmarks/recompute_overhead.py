@@ -16,6 +16,10 @@ run. Each row gives:
 - ``step ms``: the arm's median step; ``+ms``: the median, over rounds, of its step minus the
   original's; ``pred ms``: what the plan predicted its recomputation costs (the planner's
   per-node forward times, measured on the device, plus its per-region cost): the arithmetic;
+- ``rec ms``: the median, over separate steps after the alternated ones, of the time one training
+  step spends recomputing its regions (inside ``RegionFrame.recompute``, the device synchronised
+  around each; ``-`` for the ``/torch`` arms, whose regions torch recomputes): the arithmetic of
+  the plan as it runs, so ``+ms`` minus it is what the regions cost beyond their recomputation;
 - ``time x``: the median, over rounds, of the arm's step time over the original's in the same round
   (training steps alternated in rotating order, ``fxopt.measure.timing.alternated_samples``), with
   the spread of those per-round ratios (10th to 90th percentile);
@@ -52,6 +56,7 @@ from fxopt.bench.environment import TeeOutput, device_name, header
 from fxopt.core.errors import BudgetError
 from fxopt.core.state import preserved_state
 from fxopt.measure.timing import alternated_samples, fresh_training_step
+from fxopt.runtime.region_frame import RegionFrame
 from fxopt.runtime.regions import CheckpointedRegion
 
 MODELS = "grouped_cnn,odd_channel_cnn,resnet18,unet,mobilenet_v2,densenet121,resnet50"
@@ -106,6 +111,36 @@ def counted_step(module: torch.nn.Module, inputs: tuple) -> Counter[str]:
     return counter.counts
 
 
+def recompute_ms(module: torch.nn.Module, inputs: tuple, device: torch.device,
+                 steps: int = 7) -> float:
+    """Median milliseconds one training step of ``module`` spends in ``RegionFrame.recompute``
+    (over ``steps`` steps after a warm one), the device synchronised around each recompute."""
+    spent: list[float] = []
+    plain = RegionFrame.recompute
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(frame: RegionFrame) -> None:
+        sync()
+        start = time.perf_counter()
+        plain(frame)
+        sync()
+        spent[-1] += time.perf_counter() - start
+
+    RegionFrame.recompute = timed
+    try:
+        with preserved_state(module):
+            module.train()
+            for _ in range(steps + 1):
+                spent.append(0.0)
+                fresh_training_step(module, inputs)
+    finally:
+        RegionFrame.recompute = plain
+    return statistics.median(spent[1:]) * 1e3
+
+
 def regions_of(gm: torch.nn.Module) -> tuple[str, float]:
     """("<n> (<full>F <selective>S)", the plan's predicted recompute milliseconds)."""
     stats = next((p.stats for p in getattr(gm, "fxopt_report").passes
@@ -153,7 +188,7 @@ def main() -> int:
     out("# time x: median over rounds of (arm step / original step, same round), spread 10-90%; "
         "counts: one training step (forward + backward) under sys.setprofile")
     out(f"{'model':<16}{'input':<14}{'arm':<11}{'regions':<12}{'step ms':>9}{'+ms':>8}"
-        f"{'pred ms':>8}{'time x':>8}"
+        f"{'pred ms':>8}{'rec ms':>8}{'time x':>8}"
         f"{'spread':>13}{'py calls':>10}{'dispatch':>10}{'rng':>6}{'shields':>9}"
         f"{'buf copies':>11}")
     for name in models_zoo.selected(args.models):
@@ -183,10 +218,12 @@ def main() -> int:
         for label, module, times in zip(arms, arms.values(), samples):
             ratios = [t / o for t, o in zip(times, samples[0])]
             counts = counted_step(module, inputs)
+            recomputed = ("-" if label.endswith("/torch") else
+                          f"{recompute_ms(module, inputs, device):.2f}")
             excess = statistics.median([t - o for t, o in zip(times, samples[0])]) * 1e3
             out(f"{name:<16}{shape:<14}{label:<11}{regions[label][0]:<12}"
                 f"{statistics.median(times) * 1e3:>9.2f}{excess:>8.2f}{regions[label][1]:>8.2f}"
-                f"{statistics.median(ratios):>8.3f}"
+                f"{recomputed:>8}{statistics.median(ratios):>8.3f}"
                 f"{f'{_quantile(ratios, 0.1):.2f}-{_quantile(ratios, 0.9):.2f}':>13}"
                 f"{counts['py calls']:>10}{counts['dispatch']:>10}{counts['rng']:>6}"
                 f"{counts['shields']:>9}{counts['buffer copies']:>11}")
