@@ -234,7 +234,9 @@ def run_model(name: str, args, out: TeeOutput, failures: list[str]) -> list[Row]
         stats = next((r.stats for r in gm.fxopt_report.passes if r.name == "checkpoint"), {})
         regions = stats.get("regions", [])
         selective = sum(1 for r in regions if r.mode == "selective")
-        note = (f"{len(regions)} regions ({selective} selective), predicted "
+        light = sum(1 for r in regions if r.mode == "light")
+        kinds = f"{selective} selective" + (f", {light} light" if light else "")
+        note = (f"{len(regions)} regions ({kinds}), predicted "
                 f"{stats.get('predicted_after', 0) / MiB:.1f} MiB, optimize {seconds:.0f} s "
                 f"from a capture of {capture_seconds:.0f} s made once")
         gm_step = step_peak_bytes(gm, inputs)

@@ -12,7 +12,7 @@ regions had recompute graphs (selective checkpointing's dispatch mode, an RNG st
 buffers copied for every recomputation), so the two runtimes are compared on one plan in one
 run. Each row gives:
 
-- ``regions``: the plan's regions, full (``F``) and selective (``S``);
+- ``regions``: the plan's regions, full (``F``), selective (``S``) and light (``L``);
 - ``step ms``: the arm's median step; ``+ms``: the median, over rounds, of its step minus the
   original's; ``pred ms``: what the plan predicted its recomputation costs (the planner's
   per-node forward times, measured on the device, plus its per-region cost): the arithmetic;
@@ -142,14 +142,16 @@ def recompute_ms(module: torch.nn.Module, inputs: tuple, device: torch.device,
 
 
 def regions_of(gm: torch.nn.Module) -> tuple[str, float]:
-    """("<n> (<full>F <selective>S)", the plan's predicted recompute milliseconds)."""
+    """("<n> (<full>F <selective>S[ <light>L])", the plan's predicted recompute milliseconds)."""
     stats = next((p.stats for p in getattr(gm, "fxopt_report").passes
                   if p.name == "checkpoint"), {})
     modes = [r.mode for r in stats.get("regions", [])]
     if not modes:
         return "0", 0.0
     extra = sum(r.predicted_extra_ms for r in stats["regions"])
-    return f"{len(modes)} ({modes.count('full')}F {modes.count('selective')}S)", extra
+    light = f" {modes.count('light')}L" if "light" in modes else ""
+    return (f"{len(modes)} ({modes.count('full')}F {modes.count('selective')}S{light})",
+            extra)
 
 
 def through_torch_checkpoint(gm: torch.nn.Module) -> torch.nn.Module:

@@ -70,7 +70,7 @@ from fxopt.planning.budget import budget_bytes, is_min
 from fxopt.planning.checkpoint_problem import alias_roots, build_problem
 from fxopt.planning.checkpoint_search import least_memory_plan, search_plan, unreachable_budget
 from fxopt.planning.loss_chunks import MIN_CHUNK_ROWS, fast_chunk_rows
-from fxopt.planning.solver import SELECTIVE, CheckpointPlan
+from fxopt.planning.solver import LIGHT, SELECTIVE, CheckpointPlan
 from fxopt.rewrite.loss_chunk_calls import LossChunks
 from fxopt.rewrite.pass_base import PassResult, StatsItem, graph_edited, mark_new
 from fxopt.analysis.blocks import module_span
@@ -159,13 +159,13 @@ def apply_plan(gm: fx.GraphModule, forward: list[fx.Node], plan: CheckpointPlan
     for number, region in enumerate(plan.regions, start=existing):
         nodes = forward[region.start:region.stop]
         name = f"_fxopt_region_{number}"
-        kept = {forward[i] for i in region.kept} if region.mode == SELECTIVE else set()
+        kept = {forward[i] for i in region.kept}
         module, first, last = module_span(nodes)
-        graphs = region_graphs(gm, nodes, kept, roots)
+        graphs = region_graphs(gm, nodes, kept, roots, all_kept_passed=region.mode != LIGHT)
         setattr(gm, name, CheckpointedRegion(
-            graphs.body, selective=region.mode == SELECTIVE, targets=graphs.targets,
+            graphs.body, selective=region.mode in (SELECTIVE, LIGHT), targets=graphs.targets,
             forward=graphs.forward, recompute=graphs.recompute, random=region.random,
-            shield=graphs.shield, boxed=True))
+            shield=graphs.shield, boxed=True, light=region.mode == LIGHT))
         _replace_with_call(gm, nodes, name, graphs.targets)
         records.append(RegionStats(name, nodes[0].name, nodes[-1].name, len(nodes), region.mode,
                                    round(region.extra_seconds * 1e3, 3), region.freed_bytes,

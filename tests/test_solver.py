@@ -6,6 +6,8 @@ import pytest
 
 from fxopt.planning.solver import (
     FULL,
+    LIGHT,
+    MODES,
     NORMAL,
     SELECTIVE,
     CheckpointPlan,
@@ -13,6 +15,7 @@ from fxopt.planning.solver import (
     NodeInfo,
     Region,
     _arc,
+    _light_allowed,
     _region_allowed,
     _selective_allowed,
     atom_starts,
@@ -24,7 +27,8 @@ from fxopt.planning.solver import (
 
 
 def chain(stages: int, rng: random.Random) -> CheckpointProblem:
-    """conv -> bn -> relu stages with random sizes and costs."""
+    """conv -> bn -> relu stages with random sizes and costs; about half the ReLUs light (not in
+    place), which a light region recomputes while keeping the BatchNorm's output."""
     nodes, sizes, prev = [], {}, None
     for i in range(stages):
         c, b, r = f"conv{i}", f"bn{i}", f"relu{i}"
@@ -33,7 +37,8 @@ def chain(stages: int, rng: random.Random) -> CheckpointProblem:
                            grad_bytes=rng.choice([0, 40])),
                   NodeInfo(b, rng.uniform(0.5, 2), saved=frozenset({c}), reads=frozenset({c}),
                            internal_bytes=8),
-                  NodeInfo(r, rng.uniform(0.2, 1), saved=frozenset({r}), reads=frozenset({b}))]
+                  NodeInfo(r, rng.uniform(0.2, 1), saved=frozenset({r}), reads=frozenset({b}),
+                           light=rng.random() < 0.5)]
         sizes.update({c: rng.choice([64, 128, 256]), b: 0, r: rng.choice([64, 128, 256])})
         sizes[b] = sizes[c]
         prev = r
@@ -51,7 +56,10 @@ def all_plans(problem: CheckpointProblem):
         for rest in paths(k + 1):
             yield [(k, k + 1, NORMAL)] + rest
         for j in range(k + 1, n + 1):
-            for mode in (FULL, SELECTIVE):
+            nodes = problem.nodes[bounds[k]:bounds[j]]
+            for mode in MODES:
+                if mode == LIGHT and not _light_allowed(nodes):
+                    continue
                 for rest in paths(j):
                     yield [(k, j, mode)] + rest
 

@@ -39,7 +39,7 @@ from fxopt.graph.meta import propagate_meta
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.tensors import graph_device, tensor_bytes
 from fxopt.core.torch_private import TorchDispatchMode
-from fxopt.runtime.regions import is_heavy
+from fxopt.runtime.regions import is_heavy, is_light
 
 
 @dataclass(frozen=True)
@@ -49,20 +49,26 @@ class NodeCost:
     seconds: float
     heavy: bool = False
     random: bool = False  # an op drawing from the RNG ran inside it (dropout, in training)
+    light: bool = False   # every op that ran inside it is light (``fxopt.runtime.regions.is_light``)
 
 
 class _HeavyOpSeen(TorchDispatchMode):
-    """Records whether any op selective recomputation keeps ran while it was active, and any op
-    that draws random numbers (ATen's ``nondeterministic_seeded`` tag)."""
+    """Records whether any op selective recomputation keeps ran while it was active, any op
+    that draws random numbers (ATen's ``nondeterministic_seeded`` tag), and whether every op
+    was light (what a light region recomputes)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen = False
         self.random = False
+        self.ops = 0
+        self.light = True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         self.seen = self.seen or is_heavy(func)
         self.random = self.random or torch.Tag.nondeterministic_seeded in func.tags
+        self.ops += 1
+        self.light = self.light and is_light(func)
         return func(*args, **(kwargs or {}))
 
 
@@ -130,6 +136,7 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
     flops: dict[fx.Node, int] = {}
     heavy: dict[fx.Node, bool] = {}
     random: dict[fx.Node, bool] = {}
+    light: dict[fx.Node, bool] = {}
 
     @contextlib.contextmanager
     def count(node: fx.Node) -> Iterator[None]:
@@ -139,6 +146,7 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
         flops[node] = counter.get_total_flops()
         heavy[node] = seen.seen
         random[node] = seen.random
+        light[node] = seen.light and seen.ops > 0
 
     propagate_meta(gm, placeholder_values(gm), around_node=count)
     device = "cuda" if graph_device(gm).type == "cuda" else "cpu"
@@ -153,5 +161,5 @@ def node_costs(gm: fx.GraphModule, *, profile: bool = True) -> dict[fx.Node, Nod
         f = flops.get(node, 0)
         roofline = roofline_seconds(f, moved, rates)
         costs[node] = NodeCost(f, moved, measured.get(node, roofline), heavy.get(node, False),
-                               random.get(node, False))
+                               random.get(node, False), light.get(node, False))
     return costs

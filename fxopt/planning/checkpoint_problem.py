@@ -171,6 +171,12 @@ def _draws_random_numbers(gm: fx.GraphModule, node: fx.Node, costs: dict) -> boo
             or node.meta.get(meta_keys.META_SOURCE) == meta_keys.REAL)
 
 
+def _holds_buffers(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` calls a module that holds buffers (which a recomputation would read as
+    they are by then, not as the forward read them)."""
+    return node.op == "call_module" and any(True for _ in gm.get_submodule(node.target).buffers())
+
+
 def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
     try:
         gm.get_parameter(target)
@@ -219,6 +225,7 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True,
         info = saved.get(node)
         written = overwritten_inputs(gm, node)
         mutated = next((w for w in written if rep.get(w) is not None), None)
+        random = _draws_random_numbers(gm, node, costs)
         infos.append(NodeInfo(
             name=node.name,
             seconds=costs[node].seconds if node in costs else 0.0,
@@ -234,7 +241,10 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True,
             grad_bytes=grads.get(node, 0),
             grad_live_bytes=grad_live[i] + _loss_gradient_bytes(node, info),
             block=blocks[i],
-            random=_draws_random_numbers(gm, node, costs),
+            random=random,
+            # recomputed by a light region: nothing but light ops, no state written or read
+            light=(node in costs and costs[node].light and not random and not written
+                   and not _holds_buffers(gm, node)),
         ))
     region_seconds, saved_seconds = region_costs(gm, profile=profile)
     return CheckpointProblem(infos, value_bytes, regions_across_blocks=regions_across_blocks,

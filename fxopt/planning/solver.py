@@ -8,7 +8,11 @@ Model. The forward is cut into *atoms* (a heavy op -- convolution, matmul -- and
 after it). A plan is a path of arcs over atom boundaries; each arc is a run of atoms that is
 either run normally, or recomputed in backward *fully* (only the region's inputs are kept) or
 *selectively* (inputs plus the outputs of its heavy ops are kept; only cheap, memory-bound ops --
-BatchNorm, activations, adds, dropout by RNG replay -- are recomputed). Memory is the size of the
+BatchNorm, activations, adds, dropout by RNG replay -- are recomputed), or *lightly* (only its
+light ops -- concatenations, pointwise arithmetic without state or random numbers, views, casts --
+are recomputed; every other node's output that they read is kept: DenseNet's concatenation
+before each BatchNorm, recomputed at a fraction of a BatchNorm's cost, which Pleiss et al.'s
+memory-efficient DenseNet does by hand). Memory is the size of the
 *union* of kept values (a value saved by a normal node and also read by a later region counts
 once), and it is checked where the peak really is: at the end of forward (everything kept), and
 in backward as it reaches each node, when the values kept *before* it are still alive, later
@@ -44,7 +48,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FULL, SELECTIVE, NORMAL = "full", "selective", "normal"
+FULL, SELECTIVE, LIGHT, NORMAL = "full", "selective", "light", "normal"
+MODES = (FULL, SELECTIVE, LIGHT)  # the region modes a plan may use
 REGION_OVERHEAD_SECONDS = 2e-5  # a region call's own cost in hand-made problems (measured otherwise)
 _SHORT_LIVED_ATOMS = 4
 _MAX_TRACKED_PENDING = 6
@@ -68,6 +73,9 @@ class NodeInfo:
     grad_live_bytes: int = 0             # activation gradients alive while its backward runs
     random: bool = False                 # draws random numbers (dropout): a region holding it
     #                                      replays the RNG, and a selective one recomputes it
+    light: bool = False                  # only pointwise, copying and view ops run in it, with
+    #                                      no random numbers and no in-place write: what a light
+    #                                      region recomputes (fxopt.runtime.regions.is_light)
 
     @property
     def keepable(self) -> bool:
@@ -126,8 +134,22 @@ def make_region(problem: CheckpointProblem, lo: int, hi: int, mode: str, seconds
     """The region over nodes [lo, hi) in ``mode``, with what it keeps and whether it draws
     random numbers."""
     nodes = problem.nodes[lo:hi]
-    kept = tuple(i for i, n in enumerate(nodes, start=lo) if n.keepable) if mode == SELECTIVE else ()
-    return Region(lo, hi, mode, seconds, working, freed, kept, any(n.random for n in nodes))
+    names = kept_names(nodes, mode)
+    kept = tuple(i for i, n in enumerate(nodes, start=lo) if n.name in names)
+    # only what the recomputation runs again replays the RNG: a light region keeps dropout
+    return Region(lo, hi, mode, seconds, working, freed, kept,
+                  any(n.random for n in nodes if n.name not in names))
+
+
+def kept_names(nodes: list[NodeInfo], mode: str) -> set[str]:
+    """The nodes of a region in ``mode`` whose outputs it keeps instead of recomputing them:
+    none when full, the heavy ones when selective (``NodeInfo.keepable``), all but the light ones
+    when light."""
+    if mode == SELECTIVE:
+        return {n.name for n in nodes if n.keepable}
+    if mode == LIGHT:
+        return {n.name for n in nodes if not n.light}
+    return set()
 
 
 @dataclass
@@ -217,9 +239,18 @@ def _arc(problem: CheckpointProblem, lo: int, hi: int, mode: str,
         internal = sum(n.internal_bytes for n in nodes)
         return _Arc(lo, hi, mode, 0.0, 0, frozenset(keeps & problem.value_bytes.keys()), internal)
     inputs = set().union(*(n.reads for n in nodes)) - inside
-    heavy = {n.name for n in nodes if n.keepable} if mode == SELECTIVE else set()
-    keeps = (inputs | heavy) & problem.value_bytes.keys()
+    heavy = kept_names(nodes, mode)
     recomputed = [n for n in nodes if n.name not in heavy]
+    if mode == LIGHT:
+        # the kept outputs the recomputation reads, and what kept nodes save that it does not
+        # rebuild (kept as forward saved it); the rest of what kept nodes make is freed as usual
+        again = inside - heavy
+        read = set().union(*(n.reads for n in recomputed)) & inside
+        keeps = (inputs | (read - again)
+                 | (set().union(*(n.saved for n in nodes if n.name in heavy)) - again))
+    else:
+        keeps = inputs | heavy
+    keeps &= problem.value_bytes.keys()
     seconds = (sum(n.seconds for n in recomputed) + problem.region_seconds
                + problem.saved_seconds * sum(len(n.saved) + bool(n.internal_bytes)
                                              for n in recomputed))
@@ -261,6 +292,27 @@ def _selective_allowed(nodes: list[NodeInfo]) -> bool:
     return bool(heavy) and not any(n.mutates in heavy for n in nodes)
 
 
+def _light_allowed(nodes: list[NodeInfo]) -> bool:
+    """A light region needs a light node to recompute and another to keep, and its recomputation
+    must read what the forward read: no node of it overwrites a value a light node reads after
+    the light node read it (the kept value holds what was written; the forward read it before),
+    and no kept node overwrites a light node's output (the recomputation rebuilds it unwritten).
+    A light region that keeps what a selective one keeps is that region: not offered twice."""
+    light = [i for i, n in enumerate(nodes) if n.light]
+    if not light or len(light) == len(nodes):
+        return False
+    if {n.name for n in nodes if not n.light} == {n.name for n in nodes if n.keepable}:
+        return False
+    recomputed = {nodes[i].name for i in light}
+    for j, node in enumerate(nodes):
+        if node.mutates is None:
+            continue
+        if node.mutates in recomputed or any(
+                node.mutates in nodes[i].reads for i in light if i < j):
+            return False
+    return True
+
+
 def _arcs(problem: CheckpointProblem, starts: list[int], max_region_atoms: int,
           modes: tuple[str, ...]) -> list[list[_Arc]]:
     """Arcs leaving each boundary: one normal atom, and region runs of up to max atoms."""
@@ -275,6 +327,8 @@ def _arcs(problem: CheckpointProblem, starts: list[int], max_region_atoms: int,
                 break
             for mode in modes:
                 if mode == SELECTIVE and not _selective_allowed(nodes):
+                    continue
+                if mode == LIGHT and not _light_allowed(nodes):
                     continue
                 leaving[a].append(_arc(problem, bounds[a], bounds[b], mode, floor))
     return leaving
@@ -293,7 +347,7 @@ def _lifetimes(problem: CheckpointProblem, starts: list[int]) -> tuple[dict[str,
 
 
 def plan_checkpoints(problem: CheckpointProblem, budget: int, *, max_region_atoms: int = 16,
-                     buckets: int = 2048, modes: tuple[str, ...] = (FULL, SELECTIVE)
+                     buckets: int = 2048, modes: tuple[str, ...] = MODES
                      ) -> CheckpointPlan | None:
     """The least-recompute plan whose modelled memory fits ``budget`` bytes; None if none does.
 

@@ -5,8 +5,8 @@ a graph when the checkpoint plan is applied; no edits to ``gm``.
 
 - ``body``: the run as a code-only GraphModule (``fxopt.rewrite.subgraph.extract_region``), and
   the ``targets`` its call site passes;
-- ``forward`` (only when ``kept`` is not empty: a selective region): the body with each kept node
-  between ``enter_kept(frame, base, *inner)`` and ``leave_kept(frame)`` (``inner``: its
+- ``forward`` (only when ``kept`` is not empty: a selective or light region): the body with each
+  kept node between ``enter_kept(frame, base, *inner)`` and ``leave_kept(frame)`` (``inner``: its
   arguments that the recompute graph rebuilds, numbered from ``base`` in the recompute graph's
   result), returning ``(body's result, (kept outputs...))``;
 - ``recompute``: what backward runs again, ``forward(self, *inputs, *kept outputs)``: the body
@@ -55,20 +55,25 @@ class RegionGraphs:
 
 
 def region_graphs(gm: fx.GraphModule, nodes: list[fx.Node], kept: set[fx.Node],
-                  roots: dict[fx.Node, fx.Node]) -> RegionGraphs:
+                  roots: dict[fx.Node, fx.Node], *, all_kept_passed: bool = True) -> RegionGraphs:
     """The graphs of the region ``nodes`` keeping the outputs of ``kept`` (see the module doc);
-    ``roots``: node -> the first node of its alias class (``checkpoint_problem.alias_roots``)."""
+    ``roots``: node -> the first node of its alias class (``checkpoint_problem.alias_roots``).
+    ``all_kept_passed=False`` (a light region, which keeps most of its nodes): the forward hands
+    the recomputation only the kept outputs a recomputed node reads; the others are freed as
+    they would be without the region, and what the kept nodes save is kept as saved."""
     body, targets = extract_region(gm, nodes, class_name="CheckpointedBody")
     inputs, outputs = region_io(nodes)
     inside = set(nodes)
     order = [n for n in nodes if n in kept]
     inner = {node: [a for a in node.all_input_nodes if a in inside and a not in kept]
              for node in order}
+    read = {a for n in nodes if n not in kept for a in n.all_input_nodes}
+    passed = order if all_kept_passed else [n for n in order if n in read]
     forward = None
     if order:
-        forward = code_only_module(_forward_graph(nodes, inputs, outputs, inner), gm,
+        forward = code_only_module(_forward_graph(nodes, inputs, outputs, inner, passed), gm,
                                    "CheckpointedForward")
-    graph, changed, shield = _recompute_graph(gm, nodes, inputs, inner, roots)
+    graph, changed, shield = _recompute_graph(gm, nodes, inputs, inner, passed, roots)
     recompute = (code_only_module(graph, gm, "CheckpointedRecompute") if changed or order
                  else body)
     return RegionGraphs(body, targets, forward, recompute, shield)
@@ -81,7 +86,7 @@ def _copy_reads(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, fx.Node]) -> 
 
 
 def _forward_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
-                   inner: dict[fx.Node, list[fx.Node]]) -> fx.Graph:
+                   inner: dict[fx.Node, list[fx.Node]], passed: list[fx.Node]) -> fx.Graph:
     graph = fx.Graph()
     frame = graph.placeholder("_fxopt_frame")
     env: dict[fx.Node, fx.Node] = {}
@@ -97,17 +102,17 @@ def _forward_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     result = tuple(env[o] for o in outputs)
-    graph.output((result[0] if len(result) == 1 else result, tuple(env[n] for n in inner)))
+    graph.output((result[0] if len(result) == 1 else result, tuple(env[n] for n in passed)))
     return graph
 
 
 def _recompute_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node],
-                     inner: dict[fx.Node, list[fx.Node]], roots: dict[fx.Node, fx.Node]
-                     ) -> tuple[fx.Graph, bool, bool]:
+                     inner: dict[fx.Node, list[fx.Node]], passed: list[fx.Node],
+                     roots: dict[fx.Node, fx.Node]) -> tuple[fx.Graph, bool, bool]:
     """(recompute graph, whether it differs from the body, whether it still writes buffers)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    placeholders(graph, [*inputs, *inner], env)
+    placeholders(graph, [*inputs, *passed], env)
     changed = shield = False
     inside = set(nodes)
     for node in nodes:

@@ -106,6 +106,37 @@ def is_heavy(op: Any) -> bool:
     return getattr(op, "overloadpacket", op) in HEAVY_ATEN_OPS
 
 
+# Ops that copy, concatenate or re-view data (besides those tagged pointwise): with pointwise
+# arithmetic, what a light region recomputes (``is_light``).
+LIGHT_ATEN_OPS = frozenset(getattr(aten, name) for name in (
+    "cat", "stack", "view", "_unsafe_view", "reshape", "expand", "slice", "select", "narrow",
+    "transpose", "t", "permute", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk",
+    "unbind", "alias", "detach", "clone", "_to_copy", "contiguous", "flatten", "unflatten",
+    "constant_pad_nd", "repeat", "unfold", "as_strided", "lift_fresh_copy", "arange", "full",
+    "ones", "zeros", "scalar_tensor", "_assert_tensor_metadata") if hasattr(aten, name))
+
+
+_METADATA_QUERIES = frozenset(getattr(aten, name) for name in (
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous", "dim")
+    if hasattr(aten, name))
+
+
+def is_light(op: Any) -> bool:
+    """Whether recomputing the ATen op costs about a pass over its output and needs nothing but
+    its inputs: a pointwise op or one of LIGHT_ATEN_OPS that writes nothing in place and draws
+    no random numbers."""
+    packet = getattr(op, "overloadpacket", op)
+    if getattr(op, "namespace", "") == "prim" or packet in _METADATA_QUERIES:
+        return True  # a tensor's device, layout or sizes: asked, never computed
+    tags = getattr(op, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        return False
+    schema = getattr(op, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return False
+    return packet in LIGHT_ATEN_OPS or torch.Tag.pointwise in tags
+
+
 # Let saved-tensor hooks (save_on_cpu, fxopt's own saved-tensor analysis) see what SAC keeps,
 # where this torch supports choosing it.
 _SAC_HOOKS = ({"respect_saved_tensors_hooks": True}
@@ -114,6 +145,10 @@ _SAC_HOOKS = ({"respect_saved_tensors_hooks": True}
 
 def _keep_heavy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if is_heavy(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_all_but_light(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE if is_light(op) else CheckpointPolicy.MUST_SAVE
 
 
 def _autocast_on() -> bool:
@@ -202,8 +237,10 @@ def _eager_contexts(reads: Any, selective: bool
 # functools.partial of constants (a bound method loses its ``self``), and AOTAutograd requires it
 # to return two TorchDispatchModes. The compiled graph updates BatchNorm's buffers once and
 # replays dropout by itself, so only the choice of what to save is left: SAC for a selective
-# region, torch's own full recomputation (no context_fn) for a full one.
+# region (a light one's policy recomputes only light ops), torch's own full recomputation (no
+# context_fn) for a full one.
 _COMPILED_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _keep_heavy)
+_COMPILED_LIGHT = functools.partial(create_selective_checkpoint_contexts, _keep_all_but_light)
 
 
 class CheckpointedRegion:
@@ -221,6 +258,8 @@ class CheckpointedRegion:
     (``buffers_shielded``), for a region writing buffers its recompute graph cannot leave alone.
     ``boxed``: the call site passes the body's inputs as one list (``region_inputs``), which the
     region empties; else one by one, as regions pickled before it existed are called.
+    ``light``: a selective region that recomputes only its light ops (``is_light``) and keeps
+    every other output they read; under torch.compile its policy says so.
     """
 
     targets: tuple[str, ...] | None = None  # regions pickled before targets existed hold state
@@ -229,12 +268,14 @@ class CheckpointedRegion:
     recompute: torch.nn.Module | None = None  # regions pickled before it existed: torch's checkpoint
     random: bool = True
     shield: bool = True
+    light: bool = False
 
     def __init__(self, body: torch.nn.Module, *, selective: bool,
                  targets: tuple[str, ...] | None = None, forward: torch.nn.Module | None = None,
                  recompute: torch.nn.Module | None = None, random: bool = True,
-                 shield: bool = True, boxed: bool = False):
+                 shield: bool = True, boxed: bool = False, light: bool = False):
         self.body = body
+        self.light = light
         self.boxed = boxed
         self.selective = selective
         self.targets = None if targets is None else tuple(targets)
@@ -299,14 +340,15 @@ class CheckpointedRegion:
         function = functools.partial(self.run, reads)
         if torch.compiler.is_compiling():
             selective = self.selective and not _autocast_on()
-            contexts = {"context_fn": _COMPILED_SELECTIVE} if selective else {}
+            policy = _COMPILED_LIGHT if self.light else _COMPILED_SELECTIVE
+            contexts = {"context_fn": policy} if selective else {}
         else:
             contexts = {"context_fn": functools.partial(_eager_contexts, reads, self.selective)}
         return checkpoint(function, *inputs, use_reentrant=False, preserve_rng_state=True,
                           **contexts, **_SAC_HOOKS)
 
     def __repr__(self) -> str:
-        kind = "selective" if self.selective else "full"
+        kind = "light" if self.light else "selective" if self.selective else "full"
         graph = getattr(self.body, "graph", None)  # an exported body is plain generated code
         size = f", {len(graph.nodes)} nodes" if graph is not None else ""
         return f"CheckpointedRegion({kind}{size})"
