@@ -183,6 +183,10 @@ def test_light_regions_whose_recomputation_would_read_a_written_value_are_refuse
                            node("cat", light=True, reads=("conv",)),
                            node("relu_", reads=("cat",), mutates="cat")]
     assert not _light_allowed(writes_light_output)
+    # a node after the region overwrites a kept value the light node reads (index 3 >= end 2)
+    read_then_written_after = [node("bn"), node("scale", light=True, reads=("bn",))]
+    assert _light_allowed(read_then_written_after, {"bn": 1}, end=2)
+    assert not _light_allowed(read_then_written_after, {"bn": 3}, end=2)
     # nothing to recompute, or what a selective region keeps: not offered as light
     assert not _light_allowed([node("conv", heavy=True), node("bn", reads=("conv",))])
     assert not _light_allowed([node("conv", heavy=True), node("add", light=True,

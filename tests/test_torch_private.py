@@ -20,7 +20,7 @@ from torch import fx, nn
 
 from fxopt.core import torch_private as private
 from fxopt.core.modules import HOOK_DICTS
-from fxopt.runtime.regions import PRIVATE_HEAVY_OPS
+from fxopt.runtime.regions import PRIVATE_HEAVY_OPS, PRIVATE_LIGHT_OPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ MODULE_CONTAINERS = {"_parameters", "_buffers", "_modules", "_non_persistent_buf
 # Private names the runtime spells, by module: it cannot import fxopt.core.torch_private (export
 # copies it where fxopt is not installed), so it looks them up by name itself;
 # test_private_aten_ops_the_runtime_keeps_exist checks them.
-RUNTIME_PRIVATE = {"fxopt/runtime/regions.py": set(PRIVATE_HEAVY_OPS)}
+RUNTIME_PRIVATE = {"fxopt/runtime/regions.py": {*PRIVATE_HEAVY_OPS, *PRIVATE_LIGHT_OPS}}
 _DOTTED_PRIVATE = re.compile(r"\btorch(?:\.\w+)*\._[A-Za-z]\w*")
 _ATTRIBUTE_IN_CODE = re.compile(r"\.(_[A-Za-z]\w*)")
 
@@ -260,7 +260,7 @@ def test_the_scan_sees_each_kind_of_private_use():
 
 def test_private_aten_ops_the_runtime_keeps_exist():
     """The runtime names these itself (it cannot import the facade): each must still exist."""
-    assert all(hasattr(torch.ops.aten, name) for name in PRIVATE_HEAVY_OPS)
+    assert all(hasattr(torch.ops.aten, name) for name in (*PRIVATE_HEAVY_OPS, *PRIVATE_LIGHT_OPS))
 
 
 def test_written_arguments_reads_the_schema():

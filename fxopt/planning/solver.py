@@ -292,11 +292,15 @@ def _selective_allowed(nodes: list[NodeInfo]) -> bool:
     return bool(heavy) and not any(n.mutates in heavy for n in nodes)
 
 
-def _light_allowed(nodes: list[NodeInfo]) -> bool:
+def _light_allowed(nodes: list[NodeInfo], last_write: dict[str, int] | None = None,
+                   end: int = 0) -> bool:
     """A light region needs a light node to recompute and another to keep, and its recomputation
     must read what the forward read: no node of it overwrites a value a light node reads after
     the light node read it (the kept value holds what was written; the forward read it before),
-    and no kept node overwrites a light node's output (the recomputation rebuilds it unwritten).
+    no kept node overwrites a light node's output (the recomputation rebuilds it unwritten), and
+    no node after it overwrites a value it made that a light node reads (``last_write``: value ->
+    index of the last node overwriting it, ``end``: the index after the region's last node;
+    autograd would refuse the kept value in backward).
     A light region that keeps what a selective one keeps is that region: not offered twice."""
     light = [i for i, n in enumerate(nodes) if n.light]
     if not light or len(light) == len(nodes):
@@ -304,6 +308,10 @@ def _light_allowed(nodes: list[NodeInfo]) -> bool:
     if {n.name for n in nodes if not n.light} == {n.name for n in nodes if n.keepable}:
         return False
     recomputed = {nodes[i].name for i in light}
+    made = {n.name for n in nodes}
+    if last_write and any(last_write.get(v, -1) >= end for i in light for v in nodes[i].reads
+                          if v in made and v not in recomputed):
+        return False
     for j, node in enumerate(nodes):
         if node.mutates is None:
             continue
@@ -319,6 +327,7 @@ def _arcs(problem: CheckpointProblem, starts: list[int], max_region_atoms: int,
     bounds = starts + [len(problem.nodes)]
     leaving: list[list[_Arc]] = [[] for _ in bounds]
     floor = problem.backward_floor()
+    last_write = {n.mutates: i for i, n in enumerate(problem.nodes) if n.mutates is not None}
     for a in range(len(starts)):
         leaving[a].append(_arc(problem, bounds[a], bounds[a + 1], NORMAL))
         for b in range(a + 1, min(a + max_region_atoms, len(starts)) + 1):
@@ -328,7 +337,7 @@ def _arcs(problem: CheckpointProblem, starts: list[int], max_region_atoms: int,
             for mode in modes:
                 if mode == SELECTIVE and not _selective_allowed(nodes):
                     continue
-                if mode == LIGHT and not _light_allowed(nodes):
+                if mode == LIGHT and not _light_allowed(nodes, last_write, bounds[b]):
                     continue
                 leaving[a].append(_arc(problem, bounds[a], bounds[b], mode, floor))
     return leaving

@@ -106,14 +106,17 @@ def is_heavy(op: Any) -> bool:
     return getattr(op, "overloadpacket", op) in HEAVY_ATEN_OPS
 
 
+# The underscored ones among the ops a light region recomputes (named here for the reason
+# PRIVATE_HEAVY_OPS are; tests/test_torch_private.py checks each exists).
+PRIVATE_LIGHT_OPS = ("_unsafe_view", "_to_copy", "_assert_tensor_metadata")
 # Ops that copy, concatenate or re-view data (besides those tagged pointwise): with pointwise
 # arithmetic, what a light region recomputes (``is_light``).
 LIGHT_ATEN_OPS = frozenset(getattr(aten, name) for name in (
-    "cat", "stack", "view", "_unsafe_view", "reshape", "expand", "slice", "select", "narrow",
-    "transpose", "t", "permute", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk",
-    "unbind", "alias", "detach", "clone", "_to_copy", "contiguous", "flatten", "unflatten",
-    "constant_pad_nd", "repeat", "unfold", "as_strided", "lift_fresh_copy", "arange", "full",
-    "ones", "zeros", "scalar_tensor", "_assert_tensor_metadata") if hasattr(aten, name))
+    "cat", "stack", "view", "reshape", "expand", "slice", "select", "narrow", "transpose", "t",
+    "permute", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "alias",
+    "detach", "clone", "flatten", "unflatten", "constant_pad_nd", "repeat", "unfold",
+    "as_strided", "lift_fresh_copy", "arange", "full", "ones", "zeros", "scalar_tensor",
+    *PRIVATE_LIGHT_OPS) if hasattr(aten, name))
 
 
 _METADATA_QUERIES = frozenset(getattr(aten, name) for name in (
