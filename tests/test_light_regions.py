@@ -26,6 +26,7 @@ from fxopt.planning.solver import (
     Region,
     _light_allowed,
     kept_names,
+    make_region,
     plan_checkpoints,
 )
 from fxopt.runtime.regions import CheckpointedRegion, is_light
@@ -119,6 +120,42 @@ class DenseBlock(nn.Module):
         for norm, relu, conv in zip(self.norms, self.relus, self.convs):
             features.append(conv(relu(norm(torch.cat(features, 1)))))
         return self.head(torch.cat(features, 1).mean((2, 3)))
+
+
+class DenseLayersWithDropout(DenseLayers):
+    """DenseLayers with dropout on the second layer's features before they are concatenated."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        f0 = self.conv0(x)
+        f1 = self.drop(self.conv1(self.relu1(self.bn1(f0))))
+        h = self.relu2(self.bn2(torch.cat([f0, f1], 1)))
+        return self.head(self.conv2(h).mean((2, 3)))
+
+
+def test_a_light_region_keeps_dropout_and_replays_no_random_numbers(monkeypatch):
+    """Dropout is no light op: a light region keeps its output, so its recomputation draws no
+    random numbers and the region stashes no RNG state; the masks are the forward's."""
+    torch.manual_seed(0)
+    model, x = DenseLayersWithDropout(), torch.randn(2, 3, 16, 16)
+    gm = trace(model, x)
+    forward = [n for n in gm.graph.nodes if n.op in CALLS]
+    assert [n.name for n in forward[3:8]] == ["conv1", "drop", "cat", "bn2", "relu2"]
+    problem, _ = build_problem(gm, profile=False)
+    region = make_region(problem, 3, 8, LIGHT, 0.0, 0, 0)
+    assert region.kept == (3, 4, 6, 7) and not region.random
+    apply_plan(gm, forward, CheckpointPlan([region]))
+    gm.recompile()
+    reads = []
+    monkeypatch.setattr(torch, "get_rng_state",
+                        lambda real=torch.get_rng_state: reads.append(1) or real())
+    expected = step_record(model, x, seed=7)
+    by_the_model = len(reads)  # what the step itself reads (seeding, state kept around it)
+    assert_same_step(step_record(gm, x, seed=7), expected)
+    assert len(reads) == 2 * by_the_model  # the region read none
 
 
 def test_where_batch_norm_costs_more_than_concatenating_only_the_concatenations_are_recomputed():
