@@ -59,7 +59,7 @@ from fxopt.capture.trace_checks import (
     user_frame,
 )
 from fxopt.graph.graphs import graph_module_like
-from fxopt.graph.pickling import refuse_pickling
+from fxopt.graph.pickling import ReloadTracer, refuse_pickling
 from fxopt.graph.train_eval import install_eval_graph, same_graph
 from fxopt.core import meta_keys
 from fxopt.core.errors import TraceError
@@ -110,7 +110,7 @@ class TraceInfo:
     sizes: str = ""
 
 
-class _FallbackTracer(fx.Tracer):
+class _FallbackTracer(ReloadTracer):
     """A tracer that treats ``forced_leaves`` as leaves and remembers the innermost failing module.
 
     Constructible without arguments: ``torch.load`` re-traces a saved GraphModule with its tracer
@@ -235,12 +235,7 @@ class _FallbackTracer(fx.Tracer):
         if isinstance(a, collections.OrderedDict):
             return self.create_node("call_function", type(a),
                                     (super().create_arg(dict(a)),), {})
-        if isinstance(a, (CheckpointedRegion, InputGuard, fx.GraphModule)):
-            # fxopt's plain attributes: regions, the guard, the bodies of scoped calls
-            name = next((k for k, v in vars(self.root).items() if v is a), None)
-            if name is not None:
-                return self.create_node("get_attr", name, (), {})
-        return super().create_arg(a)
+        return super().create_arg(a)  # fxopt's plain attributes: ReloadTracer
 
 
 def _trace_both_modes(shell: nn.Module, forced: set[str], concrete: dict[str, Any],

@@ -276,15 +276,32 @@ def share_tree(target: nn.Module, source: nn.Module) -> None:
     target._non_persistent_buffers_set = set(source._non_persistent_buffers_set)
 
 
+def wrap_own_calls(graph: fx.Graph) -> bool:
+    """Mark ``graph``'s calls of fxopt's own functions as ``torch.fx.wrap`` marks a wrapped
+    call, so the code generated from it wraps them and torch.load's re-trace of that code
+    records each as the call it is. Traced into, they would change what the graph does: a
+    region's recomputation given a stand-in for its BatchNorm (``code_only_module``) would call
+    that module, and so update its running statistics a second time in every backward. Returns
+    whether a node was marked (the module's code must then be generated again)."""
+    marked = False
+    for node in graph.nodes:
+        if node.op == "call_function" and (getattr(node.target, "__module__", None) or ""
+                                           ).startswith("fxopt.") and not node.meta.get("is_wrapped"):
+            node.meta["is_wrapped"] = True
+            marked = True
+    return marked
+
+
 def code_only_module(graph: fx.Graph, root: nn.Module, class_name: str) -> fx.GraphModule:
     """A GraphModule of ``graph`` that holds no state of ``root``: its ``forward`` is meant to
     run with ``root`` (or what stands for it) as ``self``.
 
     Every attribute the graph reads is a stand-in (an empty module, a zero-size meta tensor), so
     the module copies and pickles as code (torch.fx re-traces its code on load with the stand-ins
-    as ``self``) and keeps no tensor alive; ``type(module).forward(root, ...)`` is the graph's
+    as ``self``, fxopt's own calls wrapped: ``wrap_own_calls``) and keeps no tensor alive; ``type(module).forward(root, ...)`` is the graph's
     code on ``root``'s live state.
     """
+    wrap_own_calls(graph)
     targets = dict.fromkeys(n.target for n in graph.nodes if n.op in ("get_attr", "call_module"))
     stand_ins = {}
     for target in sorted(targets, key=lambda t: t.count(".")):  # owners before their members

@@ -78,6 +78,17 @@ def argument_defaults(target: Any) -> tuple[list[str], dict[str, Any]] | None:
             {a.name: a.default_value for a in arguments if a.has_default_value()})
 
 
+def tracer_class(gm: Any) -> type | None:
+    """The tracer class torch.fx re-traces ``gm``'s code with when it is unpickled (None: fx's
+    own ``Tracer``)."""
+    return gm._tracer_cls
+
+
+def set_tracer_class(gm: Any, tracer: type) -> None:
+    """Have torch.fx re-trace ``gm``'s code with ``tracer`` when it is unpickled."""
+    gm._tracer_cls = tracer
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """``t``'s version counter: it grows with every in-place write to its storage."""
     return t._version

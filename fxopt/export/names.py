@@ -141,6 +141,12 @@ class Imports:
                               "private pytree modules (a graph with a pytree calling convention)",
                               where=where, hint="report this model to fxopt")
         code.src = code.src.replace("def forward(", f"def {name}(", 1)
+        # the torch.fx.wrap lines of fxopt's calls (``wrap_own_calls``) serve torch.fx's re-trace
+        # of a pickled module; a written module is never re-traced, and its class body cannot
+        # call wrap
+        wrap = f"{fx.wrap.__module__}.{fx.wrap.__name__}("
+        code.src = "\n".join(line for line in code.src.splitlines()
+                              if not line.startswith(wrap))
         for name, obj in code.globals.items():
             if name in FX_BUILTINS or getattr(builtins, name, None) is obj:
                 continue

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 from torch import fx, nn
 
-from fxopt.core.modules import copy_hooks, deepcopy_keeping_hooks, set_instance_method, share_tree
+from fxopt.core.modules import (
+    copy_hooks,
+    deepcopy_keeping_hooks,
+    set_instance_method,
+    share_tree,
+    wrap_own_calls,
+)
+from fxopt.graph.pickling import reloadable
 from fxopt.graph.train_eval import dispatched_eval_module, eval_graph
 from fxopt.runtime.regions import CheckpointedRegion
 
@@ -83,7 +90,8 @@ def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:
     are copied: tracing ran its ``forward``, not its hooks, which must run when the GraphModule
     is called.
     """
-    gm = fx.GraphModule(shell, graph, class_name=type(shell).__name__)
+    wrap_own_calls(graph)  # torch.load re-traces the code: fxopt's calls must stay calls
+    gm = reloadable(fx.GraphModule(shell, graph, class_name=type(shell).__name__))
     constants = {n.target: operator.attrgetter(n.target)(gm) for n in graph.nodes
                  if n.op == "get_attr"}
     eval_module = dispatched_eval_module(graph)

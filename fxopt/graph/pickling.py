@@ -23,7 +23,36 @@ from torch import fx, nn
 
 from fxopt.core.errors import ExportError
 from fxopt.core.modules import set_instance_method
+from fxopt.core.torch_private import set_tracer_class, tracer_class
 from fxopt.graph.train_eval import has_eval_graph
+
+
+class ReloadTracer(fx.Tracer):
+    """The tracer torch.load re-traces an fxopt-built GraphModule's code with (its
+    ``_tracer_cls``; torch.fx makes every submodule a leaf on top of it). An object the code
+    reads as a plain attribute of the module -- a checkpointed region, the input guard, the body
+    of a scoped call -- is recorded as that attribute (``get_attr``), which fx's own tracer
+    cannot record at all; fxopt's own functions stay calls by the ``torch.fx.wrap`` lines of
+    the code (``fxopt.core.modules.wrap_own_calls``). Constructible without arguments, as
+    torch.fx constructs it."""
+
+    def create_arg(self, a: Any) -> Any:
+        try:
+            return super().create_arg(a)
+        except NotImplementedError:
+            name = next((k for k, v in vars(self.root).items() if v is a), None)
+            if name is None:
+                raise
+            return self.create_node("get_attr", name, (), {})
+
+
+def reloadable(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` re-traced on load by ``ReloadTracer`` where no tracer made its graph (a block's
+    graph, a torch.export capture); a graph a tracer made keeps it (fxopt's symbolic tracer
+    records the same attributes)."""
+    if tracer_class(gm) is None:
+        set_tracer_class(gm, ReloadTracer)
+    return gm
 
 
 def refuse_pickling(gm: fx.GraphModule) -> None:

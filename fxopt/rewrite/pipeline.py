@@ -20,6 +20,7 @@ from torch import fx
 
 from fxopt.core import progress
 from fxopt.core.errors import BudgetError, ConfigError, FxoptError, PassError
+from fxopt.core.modules import wrap_own_calls
 from fxopt.rewrite.invariants import lint_after_pass, snapshot
 from fxopt.rewrite.pass_base import plain_stats
 from fxopt.rewrite.registry import PassRegistry, PassSpec
@@ -213,6 +214,7 @@ def run_passes(gm: fx.GraphModule, config: Config, registry: PassRegistry) -> li
         if result.graph_module is not gm:
             raise PassError(f"pass {spec.name!r} returned a different GraphModule", where=where,
                             hint="passes must edit gm in place")
+        wrap_own_calls(gm.graph)  # the calls a pass added stay calls when torch.load re-traces
         gm.recompile()
         lint_after_pass(gm, before, spec.name, result.modified, where)
         records.append(PassRecord(spec.name, options, result.modified, dict(result.stats),
