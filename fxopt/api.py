@@ -38,7 +38,7 @@ from fxopt.measure.budget_check import check_wanted, keep_budget
 from fxopt.measure.peaks import measure, measure_train_step
 from fxopt.planning.budget import is_min
 from fxopt.measure.report import PhaseClock, Report, predicted_peaks
-from fxopt.integrations.fsdp import guard_shards
+from fxopt.integrations.call_guard import guard_calls
 from fxopt.rewrite.pipeline import Config, PassRequest, run_passes
 from fxopt.rewrite.registry import PassRegistry
 from fxopt.runtime.fused_step import FusedOptimizers, fused_optimizers
@@ -226,7 +226,7 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
         with clock("predict"):
             report.predicted_after = (predicted_peaks(gm, training) if predict_memory
                                       else None)
-        guard_shards(gm)  # after the prediction: a run-time check, and the plan's graph is then
+        guard_calls(gm)  # after the prediction: a run-time check, and the plan's graph is then
         #                   the graph predicted (one prediction, remembered)
     report.predictions = {"run": predictions.run, "remembered": predictions.remembered}
     drop_autograd_history(gm)

@@ -111,11 +111,11 @@ class DeepNorm(Deep):
 
 def test_a_module_planned_again_copies_like_one_planned_once(monkeypatch):
     """The closing check plans again from a structural copy of the capture: the module it
-    returns must deep-copy as any optimized module does, with its shard guard and a working
+    returns must deep-copy as any optimized module does, with its call guard and a working
     eval-mode graph (before the fix the copy lost both: fx gives a structural copy a class of
     its own, without the special methods fxopt set on the capture's)."""
     from fxopt.core.torch_private import forward_pre_hooks
-    from fxopt.integrations.fsdp import refuse_uncalled_shards
+    from fxopt.integrations.call_guard import refuse_what_would_not_run
 
     model = seeded(DeepNorm)
     budget, activation = _budget(model)
@@ -123,7 +123,7 @@ def test_a_module_planned_again_copies_like_one_planned_once(monkeypatch):
     slim = fxopt.optimize(model, X, memory_budget=budget, check_budget=True, passes=ROOFLINE)
     assert len(slim.fxopt_report.budget_check.rounds) >= 2  # planned again
     copied = copy.deepcopy(slim)
-    assert forward_pre_hooks(copied).count(refuse_uncalled_shards) == 1
+    assert forward_pre_hooks(copied).count(refuse_what_would_not_run) == 1
     reference = copy.deepcopy(model)
     for module in (copied, reference):
         module.eval()

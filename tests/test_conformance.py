@@ -25,7 +25,7 @@ import fxopt
 from helpers import FailAt, Injected
 from fxopt.core.errors import InputError
 from fxopt.core.torch_private import forward_pre_hooks
-from fxopt.integrations.fsdp import refuse_uncalled_shards
+from fxopt.integrations.call_guard import refuse_what_would_not_run
 from fxopt.runtime.regions import CheckpointedRegion
 
 transformers = pytest.importorskip("transformers")
@@ -183,11 +183,11 @@ def test_recompile(pair):
 
 
 def _guards(module) -> int:
-    return forward_pre_hooks(module).count(refuse_uncalled_shards)
+    return forward_pre_hooks(module).count(refuse_what_would_not_run)
 
 
-def test_the_shard_guard_is_the_one_piece_of_state_fxopt_adds_and_every_operation_keeps_it(pair):
-    """The root's forward pre-hook (``fxopt.integrations.fsdp``) holds nothing (a module-level
+def test_the_call_guard_is_the_one_piece_of_state_fxopt_adds_and_every_operation_keeps_it(pair):
+    """The root's forward pre-hook (``fxopt.integrations.call_guard``) holds nothing (a module-level
     function reading the module it is called with): deepcopy, load_state_dict with assign, a
     dtype or device move and a replaced Parameter keep exactly one; optimizing the optimized
     module again does not add a second. FSDP2's parameter swap: tests/test_fsdp.py, where every

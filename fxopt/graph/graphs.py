@@ -4,7 +4,9 @@
 in ``module``'s tree (the root, its kept blocks), its train-mode graph, its eval-mode graph when
 it dispatches on ``self.training`` (``fxopt.graph.train_eval``), and the bodies of the
 checkpointed regions it calls (plain attributes holding code only: their targets resolve on the
-root). Every analysis, pass and export that walks graphs walks these.
+root). Every analysis, pass and export that walks graphs walks these. ``called_paths`` and
+``recomputed_paths`` read from them which modules an optimized module calls as modules, and
+which of those a checkpointed region runs again in backward.
 
 ``graph_module_like(shell, graph)`` makes a GraphModule over ``shell``'s own module tree, for
 captures and for the copies passes predict on.
@@ -76,6 +78,50 @@ def graphs_of(module: nn.Module, *, nested: bool = True, bodies: bool = True) ->
         if isinstance(owner, fx.GraphModule):
             visit(path, owner, owner, TRAIN, path or "<root>")
     return found
+
+
+def called_paths(module: nn.Module) -> frozenset[str]:
+    """The paths of the modules ``module``'s graphs call as modules, where their hooks run (and
+    FSDP2's, which gather a sharded module's parameters around its call): the root, the kept
+    blocks, the leaf modules called, in every graph of ``graphs_of(module)``. Every other
+    module in the tree has its operations run inline, reading its parameters directly."""
+    called = {""}
+    for of in graphs_of(module):
+        for node in of.graph.find_nodes(op="call_module"):
+            if of.kind == REGION or not of.path:
+                called.add(node.target)
+            else:
+                called.add(f"{of.path}.{node.target}")
+    return frozenset(called)
+
+
+def recomputed_paths(module: nn.Module) -> frozenset[str]:
+    """The paths of the modules a checkpointed region of ``module`` runs again in backward: those
+    its recompute graph calls, and the BatchNorm modules it hands to ``recomputed_batch_norm``
+    (which computes their batch statistics without calling them). Region targets are paths
+    from the root."""
+    paths: set[str] = set()
+    for owner in module.modules():
+        if not isinstance(owner, fx.GraphModule):
+            continue
+        for value in vars(owner).values():
+            graph_module = getattr(value, "recompute", None)
+            if not (isinstance(value, CheckpointedRegion)
+                    and isinstance(graph_module, fx.GraphModule)):
+                continue
+            for node in graph_module.graph.nodes:
+                if node.op == "call_module" or (
+                        node.op == "get_attr"
+                        and isinstance(_resolved(module, node.target), nn.Module)):
+                    paths.add(node.target)
+    return frozenset(paths)
+
+
+def _resolved(module: nn.Module, target: str) -> object:
+    try:
+        return operator.attrgetter(target)(module)
+    except AttributeError:
+        return None
 
 
 def graph_module_like(shell: nn.Module, graph: fx.Graph) -> fx.GraphModule:

@@ -8,33 +8,25 @@ the blocks that some recipes shard on their own (an export-captured model's toke
 a head the chunked loss reads). Sharded there, the parameters are never gathered, and the forward
 stops half-way with torch's "mixed torch.Tensor and DTensor" error.
 
-``refuse_uncalled_shards`` is a forward pre-hook ``fxopt.optimize`` registers on the module it
-returns (``guard_shards``): it raises ``ConfigError`` naming each such module before the forward
-runs, and says what to shard instead. Without an initialized ``torch.distributed`` process group
-it returns at once; with one, it walks the module tree and the graphs on each call. The modules
-a graph calls are read from the graphs themselves (``fxopt.graph.graphs.graphs_of``), so a copy,
-a loaded checkpoint or a replaced submodule is judged as it is.
+``refuse_uncalled_shards`` runs in the forward pre-hook ``fxopt.optimize`` registers on the module
+it returns (``fxopt.integrations.call_guard``): it raises ``ConfigError`` naming each such module
+before the forward runs, and says what to shard instead. Without an initialized
+``torch.distributed`` process group it returns at once; with one, it walks the module tree and the
+graphs on each call. The modules a graph calls are read from the graphs themselves
+(``fxopt.graph.graphs.called_paths``), so a copy, a loaded checkpoint or a replaced submodule is
+judged as it is.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import fx, nn
 
 from fxopt.core.errors import ConfigError
-from fxopt.core.torch_private import forward_pre_hooks
-from fxopt.graph.graphs import REGION, graphs_of
-
-def guard_shards(gm: fx.GraphModule) -> None:
-    """Register ``refuse_uncalled_shards`` on ``gm`` (once: a module optimized again keeps
-    one)."""
-    if refuse_uncalled_shards not in forward_pre_hooks(gm):
-        gm.register_forward_pre_hook(refuse_uncalled_shards)
+from fxopt.graph.graphs import called_paths
 
 
-def refuse_uncalled_shards(module: nn.Module, args: Any) -> None:
+def refuse_uncalled_shards(module: nn.Module) -> None:
     """``ConfigError`` when a module under ``module`` is sharded by FSDP2 but no graph calls it
     (module docstring)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -58,18 +50,3 @@ def refuse_uncalled_shards(module: nn.Module, args: Any) -> None:
             hint="fully_shard only the blocks fxopt.blocks(module) lists "
                  f"({', '.join(blocks[:3]) + (', ...' if len(blocks) > 3 else '') or 'none'}), "
                  "then the root; the embeddings and the head are sharded with the root")
-
-
-def called_paths(gm: fx.GraphModule) -> frozenset[str]:
-    """The paths of the modules ``gm``'s graphs call as modules (FSDP2's hooks run around
-    those calls): the root, the blocks, the leaf modules called, in every graph of ``gm``
-    (``fxopt.graph.graphs.graphs_of``: both training modes, every GraphModule under it, and
-    the bodies of checkpointed regions, whose targets are paths from the root)."""
-    called = {""}
-    for of in graphs_of(gm):
-        for node in of.graph.find_nodes(op="call_module"):
-            if of.kind == REGION or not of.path:
-                called.add(node.target)
-            else:
-                called.add(f"{of.path}.{node.target}")
-    return frozenset(called)

@@ -17,6 +17,7 @@ from fxopt.analysis.estimate import released_gradients
 from fxopt.analysis.randomness import draws_random_numbers
 from fxopt.analysis.writes import overwritten_inputs
 from fxopt.core import meta_keys
+from fxopt.core.modules import has_hooks
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.tensors import allocated_bytes, tensor_bytes
 from fxopt.core.training_setup import TrainingSetup
@@ -234,9 +235,12 @@ def build_problem(gm: fx.GraphModule, *, profile: bool = True,
             reads=names(node.all_input_nodes),
             heavy=costs[node].heavy if node in costs else False,
             # A region is not checkpointed again; the input guard runs once, before any region;
-            # a write into an input, a parameter or a buffer read later must happen once.
+            # a write into an input, a parameter or a buffer read later must happen once; so
+            # must a call of a module with hooks, which run as on the user's model: once.
             recomputable=(node.target not in (call_region, region_inputs, guard_inputs)
-                          and not writes_state(gm, written, roots)),
+                          and not writes_state(gm, written, roots)
+                          and not (node.op == "call_module"
+                                   and has_hooks(gm.get_submodule(node.target)))),
             mutates=rep[mutated].name if mutated is not None and rep.get(mutated) else None,
             grad_bytes=grads.get(node, 0),
             grad_live_bytes=grad_live[i] + _loss_gradient_bytes(node, info),

@@ -1,0 +1,165 @@
+"""Hooks on an optimized module's submodules run as on the user's model, or the call is refused.
+
+A training script hooks submodules of whatever module it holds: feature extraction
+(``model.layer4.register_forward_hook``), pruning and spectral norm (forward pre-hooks),
+activation statistics. On the optimized module a hook registered after ``optimize`` on a module
+its graph runs inline used to never run, and one on a module a checkpointed region recomputes ran
+twice a step: both silently. Now the root's guard (``fxopt.integrations.call_guard``) refuses the
+call before any compute, and hooks registered before ``optimize`` are planned for: the hooked
+module stays a call, outside every region, so its hooks run once a step.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import fxopt
+from fxopt import models_zoo
+from fxopt.graph.graphs import called_paths, recomputed_paths
+from helpers import grouped_query_llama, seeded
+
+X = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+REGISTER = {
+    "forward": lambda m, seen: m.register_forward_hook(lambda *a: seen.append(m)),
+    "forward_pre": lambda m, seen: m.register_forward_pre_hook(lambda *a: seen.append(m)),
+    "full_backward": lambda m, seen: m.register_full_backward_hook(lambda *a: seen.append(m)),
+}
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    model = seeded(lambda: torchvision.models.resnet18(num_classes=10))
+    return model, fxopt.optimize(model, X, verify=False, predict_memory=False)
+
+
+@pytest.fixture(scope="module")
+def unet():
+    """The README's U-Net at budget 0.6: regions that recompute convolutions and BatchNorms."""
+    model, inputs = models_zoo.build("unet")
+    slim = fxopt.optimize(model, inputs, memory_budget=0.6, verify=False, predict_memory=False)
+    return model, slim, inputs
+
+
+def _buffers(module):
+    return {k: v.clone() for k, v in module.named_buffers()}
+
+
+@pytest.mark.parametrize("kind", list(REGISTER))
+def test_a_hook_on_a_module_the_graph_runs_inline_is_refused_before_any_compute(resnet, kind):
+    model, slim = resnet
+    assert "layer4" not in called_paths(slim)
+    seen: list = []
+    for module in (slim, copy.deepcopy(slim)):
+        handle = REGISTER[kind](module.layer4, seen)
+        before = _buffers(module)
+        with pytest.raises(fxopt.ConfigError, match="never calls it") as caught:
+            module(X)
+        assert caught.value.where == "layer4 (Sequential)"
+        assert "before fxopt.optimize" in caught.value.hint
+        assert all(torch.equal(v, before[k]) for k, v in module.named_buffers())  # no compute
+        handle.remove()
+    assert not seen
+    for module in (model, slim):
+        module.eval()
+    try:
+        with torch.no_grad():
+            assert torch.equal(slim(X), model(X))  # removed, the module runs again
+    finally:
+        for module in (model, slim):
+            module.train()
+
+
+def test_a_hook_on_a_leaf_the_graph_calls_runs_once_and_changes_what_it_changes(resnet):
+    model, slim = resnet
+    assert "fc" in called_paths(slim)
+    outputs = {}
+    for name, module in (("model", model), ("slim", slim)):
+        module.eval()
+        calls: list = []
+        handle = module.fc.register_forward_hook(lambda m, args, out: calls.append(m) or -out)
+        try:
+            with torch.no_grad():
+                outputs[name] = module(X)
+        finally:
+            handle.remove()
+            module.train()
+        assert len(calls) == 1, name
+    assert torch.equal(outputs["slim"], outputs["model"])
+
+
+def test_an_export_captured_llama_refuses_a_hook_inside_a_block_and_runs_one_on_the_block():
+    model = grouped_query_llama()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    slim = fxopt.optimize(model, (), example_kwargs={"input_ids": ids}, verify=False,
+                          predict_memory=False)
+    assert "model.layers.0" in fxopt.blocks(slim)
+    handle = slim.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    with pytest.raises(fxopt.ConfigError, match="never calls it") as caught:
+        slim(input_ids=ids)
+    assert caught.value.where == "model.layers.0.mlp (LlamaMLP)"
+    handle.remove()
+    counts = collections.Counter()
+    for name, module in (("model", model), ("slim", slim)):
+        handle = module.model.layers[1].register_forward_pre_hook(
+            lambda *a, name=name: counts.update([name]))
+        module(input_ids=ids).logits.sum().backward()
+        handle.remove()
+    assert counts == {"model": 1, "slim": 1}
+
+
+def test_a_hook_added_on_a_recomputed_module_is_refused_with_grad_and_runs_once_without(unet):
+    model, slim, inputs = unet
+    recomputed = recomputed_paths(slim)
+    conv = next(p for p in sorted(recomputed) if isinstance(slim.get_submodule(p), nn.Conv2d))
+    norm = next(p for p in sorted(recomputed)
+                if isinstance(slim.get_submodule(p), nn.BatchNorm2d))
+    calls: list = []
+    for path, also in ((conv, "twice a step"), (norm, "BatchNorm")):
+        handle = slim.get_submodule(path).register_forward_hook(lambda *a: calls.append(1))
+        with pytest.raises(fxopt.ConfigError, match="recomputes it in backward") as caught:
+            slim(*inputs)
+        assert also in str(caught.value) and caught.value.where.startswith(path + " ")
+        assert not calls
+        with torch.no_grad():
+            slim(*inputs)  # nothing is recomputed: the hook runs once, as on the model
+        assert len(calls) == 1
+        calls.clear()
+        handle.remove()
+
+
+def test_hooks_registered_before_optimize_run_once_a_step_and_stay_out_of_regions():
+    """A counting hook on a convolution and a BatchNorm hook that changes its output, both on
+    modules the U-Net's 0.7 plan recomputes when they have no hooks: the plan leaves them out
+    of its regions, verification passes (before, the BatchNorm's recomputation skipped the hook,
+    and the gradients were another function's), and each hook runs once a step."""
+    model, inputs = models_zoo.build("unet")
+    hookless = fxopt.optimize(copy.deepcopy(model), inputs, memory_budget=0.7, verify=False,
+                              predict_memory=False)
+    recomputed = recomputed_paths(hookless)
+    conv = next(p for p in sorted(recomputed) if isinstance(model.get_submodule(p), nn.Conv2d))
+    norm = next(p for p in sorted(recomputed)
+                if isinstance(model.get_submodule(p), nn.BatchNorm2d))
+    calls = collections.Counter()
+    model.get_submodule(conv).register_forward_hook(lambda *a: calls.update(["conv"]))
+    model.get_submodule(norm).register_forward_hook(
+        lambda m, args, out: calls.update(["norm"]) or out * 2)
+    reference = copy.deepcopy(model)
+    slim = fxopt.optimize(model, inputs, memory_budget=0.7)  # verified
+    assert not {conv, norm} & recomputed_paths(slim) and recomputed_paths(slim)
+    losses = {}
+    for name, module in (("reference", reference), ("slim", slim)):
+        calls.clear()
+        loss = module(*inputs).square().mean()
+        loss.backward()
+        assert calls == {"conv": 1, "norm": 1}, (name, calls)
+        losses[name] = loss.item()
+    assert losses["slim"] == pytest.approx(losses["reference"], rel=1e-6)
+    for (name, p), q in zip(reference.named_parameters(), slim.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
