@@ -15,6 +15,11 @@ value holds; code uses the constants, never the strings.
   ``optimize(captured=...)`` reuses it; removed from the copy optimize works on.
 - ``BLOCKS`` (``"fxopt_blocks"``): what ``fxopt.rewrite.blocks`` kept as block calls, and the
   blocks left flat with why.
+- ``INLINED`` (``"fxopt_inlined"``): on what ``fxopt.optimize`` returns, the path and class
+  name (``"module.qualname"``) of every module its graphs run inline (call none of), as
+  optimize left them; and ``CHECKED`` (``"fxopt_checked"``): per training mode, the signature
+  of the module tree the call guard last found consistent with them. Both written and read by
+  ``fxopt.integrations.call_guard``.
 
 ``node.meta``:
 
@@ -41,6 +46,8 @@ TRACE = "fxopt_trace"
 EXPORT = "fxopt_export"
 CAPTURED = "fxopt_captured"
 BLOCKS = "fxopt_blocks"
+INLINED = "fxopt_inlined"
+CHECKED = "fxopt_checked"
 PASS = "fxopt_pass"
 SAVED = "fxopt_saved"
 META_SOURCE = "fxopt_meta_source"

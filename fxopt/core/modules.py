@@ -91,6 +91,24 @@ def has_hooks(module: nn.Module) -> bool:
     return False
 
 
+def hooks_and_signature(root: nn.Module) -> tuple[bool, tuple]:
+    """(whether a module under ``root`` has hooks that run when it is called, a signature of the
+    tree under ``root``: each module's class and ``training`` flag, in the order of a walk of
+    ``_modules``). ``root``'s own hooks are not asked about. Cheaper than ``named_modules``,
+    which builds every path: the optimized module's call guard runs it on every call."""
+    hooked, signature = False, []
+    stack = list(root._modules.values())
+    while stack:
+        module = stack.pop()
+        if module is None:  # register_module(name, None) is allowed
+            continue
+        hooked = hooked or has_hooks(module)
+        signature.append(id(type(module)))
+        signature.append(module.training)
+        stack.extend(module._modules.values())
+    return hooked, tuple(signature)
+
+
 def copy_hooks(source: nn.Module, target: nn.Module) -> None:
     """Give ``target`` shallow copies of all of ``source``'s hook dicts, replacing its own.
 

@@ -38,6 +38,7 @@ from torch.fx.graph import CodeGen
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.multiprocessing.reductions import StorageWeakRef  # undocumented, on a public path
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+from torch.nn.modules.batchnorm import _NormBase as NormBase  # BatchNorm's and InstanceNorm's
 from torch.nn.modules.dropout import _DropoutNd as DropoutBase
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes

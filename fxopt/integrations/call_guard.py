@@ -1,32 +1,44 @@
-"""The optimized module's run-time guard: what a script attaches to a submodule after
-``fxopt.optimize`` must run as it would on the user's model, or fxopt refuses the call.
+"""The optimized module's run-time guard: what a script does to a submodule after
+``fxopt.optimize`` must take effect as it would on the user's model, or fxopt refuses the call.
 
 The optimized graph calls the root, its kept blocks and some leaf modules as modules; every other
 module has its operations run inline (torch.fx traced through it, torch.export lowered it, a pass
-replaced the call by a functional form), and a checkpointed region runs the modules it recomputes
-a second time in backward. So what hangs on a module's call does not run as on the user's model:
+replaced the call by a functional form), in the mode of the root, and a checkpointed region runs
+the modules it recomputes a second time in backward. So what a script changes on a module the
+graph runs inline does not reach the computation:
 
 - a module sharded with FSDP2's ``fully_shard`` that the graph never calls: its parameters are
   never gathered (``fxopt.integrations.fsdp``);
-- forward pre-hooks, forward hooks and backward hooks registered on a module the graph never
-  calls would never run: a feature-extraction hook (``model.layer4.register_forward_hook``),
-  ``torch.nn.utils.prune``'s or ``spectral_norm``'s pre-hook, a quantization observer;
-- the same hooks on a module a region recomputes would run twice a step with grad enabled (for a
-  BatchNorm, whose recomputation computes batch statistics without calling it, not at all the
-  second time, so an output they change would be rebuilt unchanged).
+- forward pre-hooks, forward hooks and backward hooks on a module the graph never calls would
+  never run: a feature-extraction hook (``model.layer4.register_forward_hook``),
+  ``torch.nn.utils.prune``'s or ``spectral_norm``'s pre-hook, a quantization observer; on a module
+  a region recomputes they would run twice a step with grad enabled (for a BatchNorm, whose
+  recomputation computes batch statistics without calling it, not at all the second time, so an
+  output they change would be rebuilt unchanged);
+- a module replaced (``model.layers[0].mlp = ...``, a LoRA wrapper put in after ``optimize``):
+  the graph keeps computing what the old one computed, reading the new one's parameters by name
+  where it has them;
+- a BatchNorm (with running statistics) or a Dropout (p > 0) switched to another mode than the
+  root's (a frozen BatchNorm, Monte Carlo dropout): the graph runs it in the root's mode.
 
 ``refuse_what_would_not_run`` is the one forward pre-hook ``fxopt.optimize`` registers on the
-module it returns (``guard_calls``). It raises ``ConfigError`` naming the module before any
+module it returns (``guard_calls``, which also records the class names of the modules run
+inline, ``meta_keys.INLINED``). It raises ``ConfigError`` naming the module before any
 compute. Hooks registered on the model before ``optimize`` are planned for instead: symbolic
 tracing keeps a hooked module as a call, passes leave it alone and the checkpoint plan keeps it
 out of its regions, so they run once a step as on the user's model. Each call walks the module
-tree (about 0.8 us a module on a CPU core: 118 us for resnet50's 151 modules, 356 us for a
-32-layer Llama's 423) and reads the graphs only when a submodule has hooks. The hook itself holds nothing, so deep copies, pickles and loaded
-checkpoints judge the tree as it is then.
+tree for hooks and for a signature of the tree (each module's class and mode); only when a
+submodule has hooks, or the signature is not the one last found consistent
+(``meta_keys.CHECKED``: after FSDP2 swaps classes, say), does it read the graphs or the record.
+The hook itself holds nothing, so deep copies, pickles and loaded checkpoints are judged as they
+are.
 
-Not handled: process-wide module hooks (``register_module_forward_hook``), which belong to no
-module; a hook added while the forward runs; the module ``fxopt.export`` writes, which is plain
-torch code without this guard.
+Not handled: a plain attribute changed on a module the graph runs inline (a Dropout's ``p``, a
+norm's ``eps``: the graph keeps the value it was captured with), and another mode for an inlined
+module of a class of the user's own whose ``forward`` reads ``self.training``; process-wide
+module hooks (``register_module_forward_hook``), which belong to no module; a hook added while
+the forward runs; the module ``fxopt.export`` writes, which is plain torch code without this
+guard.
 """
 
 from __future__ import annotations
@@ -36,43 +48,42 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from fxopt.core import meta_keys
+from fxopt.core.dropouts import DROPOUT_MODULES
 from fxopt.core.errors import ConfigError
-from fxopt.core.modules import call_hooks, has_hooks
-from fxopt.core.torch_private import forward_pre_hooks
+from fxopt.core.modules import call_hooks, has_hooks, hooks_and_signature
+from fxopt.core.torch_private import BatchNormBase, NormBase, forward_pre_hooks
 from fxopt.graph.graphs import called_paths, recomputed_paths
 from fxopt.integrations.fsdp import refuse_uncalled_shards
 
 
 def guard_calls(gm: fx.GraphModule) -> None:
     """Register ``refuse_what_would_not_run`` on ``gm`` (once: a module optimized again keeps
-    one)."""
+    one), and record the classes of the modules its graphs run inline."""
     if refuse_what_would_not_run not in forward_pre_hooks(gm):
         gm.register_forward_pre_hook(refuse_what_would_not_run)
+    called = called_paths(gm)
+    gm.meta[meta_keys.INLINED] = tuple((path, _class_name(type(sub)))
+                                       for path, sub in gm.named_modules()
+                                       if path and path not in called)
+    gm.meta.pop(meta_keys.CHECKED, None)
 
 
 def refuse_what_would_not_run(module: nn.Module, args: Any) -> None:
-    """``ConfigError`` for a shard or hooks under ``module`` that would not run as on the user's
-    model (module docstring)."""
+    """``ConfigError`` for a shard, hooks, a replaced module or a module in another mode under
+    ``module`` that would not take effect as on the user's model (module docstring)."""
     refuse_uncalled_shards(module)
-    if _any_hooked_submodule(module):
+    hooked, signature = hooks_and_signature(module)
+    if hooked:
         _refuse_hooks(module)
-
-
-def _any_hooked_submodule(root: nn.Module) -> bool:
-    """Whether a module under ``root`` (not ``root`` itself, whose hooks are fxopt's guard and
-    what the user had on the model, and run on every call) has hooks; a walk of ``_modules``,
-    cheaper than ``named_modules``, which builds every path."""
-    stack = list(root._modules.values())
-    while stack:
-        module = stack.pop()
-        if module is None:  # register_module(name, None) is allowed
-            continue
-        if has_hooks(module):
-            return True
-        stack.extend(module._modules.values())
-    return False
+    meta = getattr(module, "meta", None)
+    if isinstance(meta, dict) and meta_keys.INLINED in meta:
+        checked = meta.setdefault(meta_keys.CHECKED, {})
+        if checked.get(module.training) != signature:
+            _refuse_changed_modules(module, meta[meta_keys.INLINED])
+            if not torch.compiler.is_compiling():
+                checked[module.training] = signature
 
 
 def _refuse_hooks(root: nn.Module) -> None:
@@ -104,15 +115,72 @@ def _refuse_hooks(root: nn.Module) -> None:
                 "(a checkpointed region runs it again): with grad enabled the hooks would run "
                 "twice a step"
                 + (", and not at all in the recomputation of a BatchNorm, which computes its "
-                   "statistics without calling it" if isinstance(sub, _BatchNorm) else ""),
+                   "statistics without calling it" if isinstance(sub, BatchNormBase) else ""),
                 where=name,
                 hint="register the hooks on your model before fxopt.optimize: the plan then "
                      "leaves modules with hooks out of its regions; or run the model under "
                      "torch.no_grad(), where nothing is recomputed")
 
 
+def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str], ...]) -> None:
+    """``ConfigError`` when a module the graphs run inline was replaced or removed, or is a
+    BatchNorm or Dropout in another mode than the root's."""
+    mode = "train" if root.training else "eval"
+    for path, kind in inlined:
+        try:
+            current = root.get_submodule(path)
+        except AttributeError:
+            current = None
+        if current is None or not _same_class(current, kind):
+            seen = kind.rpartition(".")[2]
+            raise ConfigError(
+                f"{path} is {'gone' if current is None else f'a {type(current).__name__}'} "
+                f"now, where fxopt.optimize saw a {seen}: the optimized graph runs that "
+                f"module's operations inline, as the {seen} ran them, so it would not run what "
+                "replaced it",
+                where=f"{path} ({seen})",
+                hint="make the change on your model, then optimize it (wrappers such as LoRA "
+                     "adapters go in before fxopt.optimize); after optimize, replace only "
+                     "modules the graph calls: the blocks fxopt.blocks(module) lists")
+        if _reads_its_mode(current) and current.training != root.training:
+            own = "train" if current.training else "eval"
+            raise ConfigError(
+                f"{path} ({type(current).__name__}) is in {own} mode while the module is in "
+                f"{mode} mode: the optimized graph runs it inline, in the module's mode, so its "
+                "own flag would not be read",
+                where=f"{path} ({type(current).__name__})",
+                hint="switch modes on the whole module (module.train() / module.eval()); to "
+                     "train with BatchNorm frozen or dropout on in eval, optimize with "
+                     "capture='fx' (symbolic tracing calls BatchNorm and Dropout modules, which "
+                     "read their own flag)")
+
+
+def _class_name(cls: type) -> str:
+    """What the record keeps of a class: its module and qualified name, which pickle (a class
+    torch.fx made for one GraphModule does not) and are the same for every GraphModule."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _same_class(module: nn.Module, kind: str) -> bool:
+    """``module`` is still of the class named ``kind``, or of the class FSDP2's ``fully_shard``
+    made of it (``FSDP<class>``, deriving from FSDPModule and that class)."""
+    if _class_name(type(module)) == kind:
+        return True
+    sharded = _fsdp_module_class()
+    return (sharded is not None and isinstance(module, sharded)
+            and any(_class_name(base) == kind for base in type(module).__bases__))
+
+
+def _reads_its_mode(module: nn.Module) -> bool:
+    """A torch module whose computation depends on its own ``training`` flag: a norm with running
+    statistics (BatchNorm, InstanceNorm with ``track_running_stats``), a dropout that drops."""
+    if isinstance(module, NormBase):
+        return bool(module.track_running_stats)
+    return isinstance(module, DROPOUT_MODULES) and module.p != 0
+
+
 def _fsdp_module_class() -> type | None:
     """FSDP2's module class when torch.distributed.fsdp is imported (no module is an FSDP2 one
-    otherwise): its hooks gather parameters, in a recomputation too, as FSDP2 means them to."""
+    otherwise)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return getattr(fsdp, "FSDPModule", None)

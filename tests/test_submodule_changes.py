@@ -1,12 +1,15 @@
-"""Hooks on an optimized module's submodules run as on the user's model, or the call is refused.
+"""What a script does to an optimized module's submodules takes effect as on the user's model, or
+the call is refused before any compute (``fxopt.integrations.call_guard``).
 
-A training script hooks submodules of whatever module it holds: feature extraction
-(``model.layer4.register_forward_hook``), pruning and spectral norm (forward pre-hooks),
-activation statistics. On the optimized module a hook registered after ``optimize`` on a module
-its graph runs inline used to never run, and one on a module a checkpointed region recomputes ran
-twice a step: both silently. Now the root's guard (``fxopt.integrations.call_guard``) refuses the
-call before any compute, and hooks registered before ``optimize`` are planned for: the hooked
-module stays a call, outside every region, so its hooks run once a step.
+A training script hooks submodules of whatever module it holds (feature extraction with
+``model.layer4.register_forward_hook``, pruning and spectral norm's pre-hooks), swaps some
+(LoRA adapters, quantization wrappers) and freezes some (BatchNorm in eval while the rest
+trains). On the optimized module, all silently: a hook registered after ``optimize`` on a module
+its graph runs inline never ran, one on a module a checkpointed region recomputes ran twice a
+step, a replaced inlined module kept computing as the old one, and an export-captured
+BatchNorm switched to eval kept normalizing with batch statistics. Hooks registered before
+``optimize`` are planned for: the hooked module stays a call, outside every region, so its hooks
+run once a step.
 """
 
 from __future__ import annotations
@@ -163,3 +166,76 @@ def test_hooks_registered_before_optimize_run_once_a_step_and_stay_out_of_region
     assert losses["slim"] == pytest.approx(losses["reference"], rel=1e-6)
     for (name, p), q in zip(reference.named_parameters(), slim.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_module_replaced_where_the_graph_runs_it_inline_is_refused_and_a_called_one_runs():
+    """A Hugging Face Llama captured by torch.export: an MLP projection swapped for a subclass
+    (what an adapter does) used to be ignored, its parameters read by name; a block, which the
+    graph calls, swapped for a copy of itself runs as the model does."""
+    model = grouped_query_llama()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    slim = fxopt.optimize(model, (), example_kwargs={"input_ids": ids}, verify=False,
+                          predict_memory=False)
+
+    class Scaled(nn.Linear):  # an adapter: the projection plus something of its own
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    mlp = slim.model.layers[0].mlp
+    original = mlp.down_proj
+    replaced = Scaled(original.in_features, original.out_features, bias=False)
+    replaced.weight = original.weight
+    mlp.down_proj = replaced
+    with pytest.raises(fxopt.ConfigError, match="where fxopt.optimize saw a Linear") as caught:
+        slim(input_ids=ids)
+    assert caught.value.where == "model.layers.0.mlp.down_proj (Linear)"
+    assert "before fxopt.optimize" in caught.value.hint
+    mlp.down_proj = original
+    for module in (model, slim):
+        module.model.layers[1] = copy.deepcopy(module.model.layers[1])
+    torch.testing.assert_close(slim(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_batch_norm_frozen_after_optimize_is_frozen_or_refused(capture):
+    """torch.export lowers BatchNorm into the graph in the root's mode: a BatchNorm frozen in eval
+    after ``optimize`` used to keep normalizing with batch statistics and updating its running
+    ones; now the call is refused. Symbolic tracing calls BatchNorm as a module, which reads its
+    own flag: frozen there, it trains as the user's model does."""
+    model = seeded(lambda: torchvision.models.resnet18(num_classes=10))
+    slim = fxopt.optimize(model, X, capture=capture, verify=False, predict_memory=False)
+    reference = copy.deepcopy(model)
+    for module in (reference, slim):
+        module.layer1[0].bn1.eval()
+    if capture == "export":
+        before = _buffers(slim)
+        with pytest.raises(fxopt.ConfigError, match="in eval mode while the module is in "
+                                                    "train mode") as caught:
+            slim(X)
+        assert caught.value.where == "layer1.0.bn1 (BatchNorm2d)"
+        assert "capture='fx'" in caught.value.hint
+        assert all(torch.equal(v, before[k]) for k, v in slim.named_buffers())
+        slim.train()  # the whole module in one mode again
+        slim(X)
+        return
+    torch.testing.assert_close(slim(X), reference(X))
+    for (name, a), b in zip(reference.named_buffers(), slim.buffers()):
+        torch.testing.assert_close(b, a, msg=name)
+
+
+def test_dropout_switched_on_in_eval_is_refused_where_the_graph_runs_it_inline():
+    """Monte Carlo dropout (the module in eval, its dropouts in train) on a GPT-2 captured by
+    torch.export: the eval-mode graph has no dropout, so it used to give the plain eval output."""
+    transformers = pytest.importorskip("transformers")
+    model = seeded(transformers.GPT2LMHeadModel, transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2, use_cache=False,
+        bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    slim = fxopt.optimize(model, (), example_kwargs={"input_ids": ids}, verify=False,
+                          predict_memory=False)
+    slim.eval()
+    drop = next(p for p, m in slim.named_modules() if isinstance(m, nn.Dropout) and m.p > 0)
+    slim.get_submodule(drop).train()
+    with torch.no_grad(), pytest.raises(fxopt.ConfigError, match="in train mode while the "
+                                                                 "module is in eval mode"):
+        slim(input_ids=ids)
