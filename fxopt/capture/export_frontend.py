@@ -72,9 +72,12 @@ the recomputation); forward signatures without names for the inputs given (a bar
 **kwargs`` with no ``functools.wraps``); example inputs other than tensors, plain values and
 containers of them; output containers other than those listed; sizes whose exported relation is
 an expression (``y.shape[0] == 2 * x.shape[0]``: re-exported with that size fixed, see
-``ExportInfo.fallbacks``). Not detected: submodules left in another training mode than the
-root on purpose (a frozen BatchNorm): the train graph has every module in train mode and the eval
-graph every module in eval mode, and a submodule's own flag is never read again. Not supported:
+``ExportInfo.fallbacks``). Submodules left in another training mode than the root on purpose
+(a frozen BatchNorm): the train graph has every module in train mode and the eval graph every
+module in eval mode, and a submodule's own flag is never read again; the optimized module's call
+guard refuses a BatchNorm or Dropout in another mode than the root's on every call
+(``fxopt.integrations.call_guard``), a module of the user's own class is not detected. Not
+supported:
 another dtype than the capture's, for inputs or for the module's parameters and buffers, nor
 another device type where a graph names the capture's (the guard refuses it: capture the model
 after converting it; so ``fxopt.verify``'s float64 re-check of rounding differences runs the
