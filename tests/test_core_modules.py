@@ -13,6 +13,8 @@ from fxopt.core.modules import (
     call_hooks,
     copy_hooks,
     has_hooks,
+    hooks_and_signature,
+    settable_constants,
     structural_copy,
 )
 
@@ -260,3 +262,31 @@ def test_set_instance_method_changes_one_graph_module_and_its_copies_only():
         set_instance_method(one, "__call__", refuse)
     with pytest.raises(RuntimeError, match="not a per-instance GraphModule class"):
         set_instance_method(torch.nn.Linear(2, 2), "__reduce__", refuse)
+
+
+def test_settable_constants_are_the_torch_constants_a_script_sets_without_new_parameters():
+    assert settable_constants(nn.BatchNorm2d) == ("track_running_stats", "momentum", "eps")
+    assert settable_constants(nn.Dropout) == ("p",)
+    assert settable_constants(nn.LeakyReLU) == ("negative_slope",)
+    assert settable_constants(nn.Conv2d) == () and settable_constants(nn.Linear) == ()
+
+    class Custom(nn.Dropout):  # a class of the user's own: its attributes are not known
+        pass
+
+    assert settable_constants(Custom) == ()
+
+
+def test_the_tree_signature_moves_with_a_class_a_mode_or_a_constant_and_hooks_are_seen():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1), nn.BatchNorm1d(2))
+    hooked, signature = hooks_and_signature(model)
+    assert not hooked and hooks_and_signature(model)[1] == signature
+    changes = [lambda: setattr(model[1], "p", 0.2), lambda: model[2].eval(),
+               lambda: model.__setitem__(0, nn.Identity())]
+    for change in changes:
+        change()
+        assert hooks_and_signature(model)[1] != signature
+        signature = hooks_and_signature(model)[1]
+    model.register_forward_hook(lambda *a: None)  # the root's own: not asked about
+    assert not hooks_and_signature(model)[0]
+    model[1].register_forward_pre_hook(lambda *a: None)
+    assert hooks_and_signature(model)[0]

@@ -239,3 +239,26 @@ def test_dropout_switched_on_in_eval_is_refused_where_the_graph_runs_it_inline()
     with torch.no_grad(), pytest.raises(fxopt.ConfigError, match="in train mode while the "
                                                                  "module is in eval mode"):
         slim(input_ids=ids)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_norms_momentum_set_after_optimize_takes_effect_or_is_refused(capture):
+    """torch.export builds BatchNorm's momentum into the graph: set anew after ``optimize`` it
+    used to be ignored (the running statistics moved by the old one); now the call is refused.
+    A BatchNorm symbolic tracing calls reads its own."""
+    model = seeded(lambda: torchvision.models.resnet18(num_classes=10))
+    slim = fxopt.optimize(model, X, capture=capture, verify=False, predict_memory=False)
+    reference = copy.deepcopy(model)
+    for module in (reference, slim):
+        module.layer2[0].bn2.momentum = 0.5
+    if capture == "export":
+        with pytest.raises(fxopt.ConfigError, match="momentum is 0.5 now, where "
+                                                    "fxopt.optimize saw 0.1") as caught:
+            slim(X)
+        assert caught.value.where == "layer2.0.bn2 (BatchNorm2d)"
+        slim.layer2[0].bn2.momentum = 0.1
+        slim(X)
+        return
+    slim(X), reference(X)
+    for (name, a), b in zip(reference.named_buffers(), slim.buffers()):
+        torch.testing.assert_close(b, a, msg=name)

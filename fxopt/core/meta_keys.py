@@ -15,9 +15,9 @@ value holds; code uses the constants, never the strings.
   ``optimize(captured=...)`` reuses it; removed from the copy optimize works on.
 - ``BLOCKS`` (``"fxopt_blocks"``): what ``fxopt.rewrite.blocks`` kept as block calls, and the
   blocks left flat with why.
-- ``INLINED`` (``"fxopt_inlined"``): on what ``fxopt.optimize`` returns, the path and class
-  name (``"module.qualname"``) of every module its graphs run inline (call none of), as
-  optimize left them; and ``CHECKED`` (``"fxopt_checked"``): per training mode, the signature
+- ``INLINED`` (``"fxopt_inlined"``): on what ``fxopt.optimize`` returns, the path, class name
+  (``"module.qualname"``) and settable constants (``fxopt.core.modules.constant_values``) of
+  every module its graphs run inline (call none of), as optimize left them; and ``CHECKED`` (``"fxopt_checked"``): per training mode, the signature
   of the module tree the call guard last found consistent with them. Both written and read by
   ``fxopt.integrations.call_guard``.
 

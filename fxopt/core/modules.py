@@ -12,6 +12,7 @@ dict is covered without a change here.
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 from collections.abc import Callable
 
@@ -91,11 +92,36 @@ def has_hooks(module: nn.Module) -> bool:
     return False
 
 
+# The constants of torch.nn modules (``__constants__``) a script may set on a built module without
+# touching its parameters; the others (sizes, strides, ``affine``) come with the parameters.
+_SETTABLE_CONSTANTS = frozenset({
+    "p", "eps", "momentum", "track_running_stats", "negative_slope", "alpha", "beta",
+    "approximate", "threshold", "lambd", "min_val", "max_val", "lower", "upper",
+})
+
+
+@functools.cache
+def settable_constants(cls: type) -> tuple[str, ...]:
+    """The attributes a ``torch.nn`` module class declares constant (``__constants__``) that a
+    script may set after building it: a Dropout's ``p``, a norm's ``eps`` and ``momentum``, a
+    LeakyReLU's slope; what a graph that runs such a module inline has baked in. ``()`` for
+    classes outside ``torch.nn``."""
+    if not cls.__module__.startswith("torch.nn."):
+        return ()
+    return tuple(n for n in getattr(cls, "__constants__", ()) if n in _SETTABLE_CONSTANTS)
+
+
+def constant_values(module: nn.Module) -> tuple:
+    """``module``'s values of its ``settable_constants``."""
+    return tuple(getattr(module, name, None) for name in settable_constants(type(module)))
+
+
 def hooks_and_signature(root: nn.Module) -> tuple[bool, tuple]:
     """(whether a module under ``root`` has hooks that run when it is called, a signature of the
-    tree under ``root``: each module's class and ``training`` flag, in the order of a walk of
-    ``_modules``). ``root``'s own hooks are not asked about. Cheaper than ``named_modules``,
-    which builds every path: the optimized module's call guard runs it on every call."""
+    tree under ``root``: each module's class, ``training`` flag and ``constant_values``, in the
+    order of a walk of ``_modules``). ``root``'s own hooks are not asked about. Cheaper than
+    ``named_modules``, which builds every path: the optimized module's call guard runs it on
+    every call."""
     hooked, signature = False, []
     stack = list(root._modules.values())
     while stack:
@@ -103,8 +129,11 @@ def hooks_and_signature(root: nn.Module) -> tuple[bool, tuple]:
         if module is None:  # register_module(name, None) is allowed
             continue
         hooked = hooked or has_hooks(module)
-        signature.append(id(type(module)))
+        cls = type(module)
+        signature.append(id(cls))
         signature.append(module.training)
+        for name in settable_constants(cls):
+            signature.append(getattr(module, name, None))
         stack.extend(module._modules.values())
     return hooked, tuple(signature)
 

@@ -18,27 +18,28 @@ graph runs inline does not reach the computation:
 - a module replaced (``model.layers[0].mlp = ...``, a LoRA wrapper put in after ``optimize``):
   the graph keeps computing what the old one computed, reading the new one's parameters by name
   where it has them;
+- a constant of a ``torch.nn`` module set anew (a Dropout's ``p``, a norm's ``eps`` or
+  ``momentum``, ``fxopt.core.modules.settable_constants``): the graph has the old value built in;
 - a BatchNorm (with running statistics) or a Dropout (p > 0) switched to another mode than the
   root's (a frozen BatchNorm, Monte Carlo dropout): the graph runs it in the root's mode.
 
 ``refuse_what_would_not_run`` is the one forward pre-hook ``fxopt.optimize`` registers on the
-module it returns (``guard_calls``, which also records the class names of the modules run
-inline, ``meta_keys.INLINED``). It raises ``ConfigError`` naming the module before any
-compute. Hooks registered on the model before ``optimize`` are planned for instead: symbolic
+module it returns (``guard_calls``, which also records the class name and settable constants of
+each module run inline, ``meta_keys.INLINED``). It raises ``ConfigError`` naming the module before
+any compute. Hooks registered on the model before ``optimize`` are planned for instead: symbolic
 tracing keeps a hooked module as a call, passes leave it alone and the checkpoint plan keeps it
 out of its regions, so they run once a step as on the user's model. Each call walks the module
-tree for hooks and for a signature of the tree (each module's class and mode); only when a
-submodule has hooks, or the signature is not the one last found consistent
-(``meta_keys.CHECKED``: after FSDP2 swaps classes, say), does it read the graphs or the record.
-The hook itself holds nothing, so deep copies, pickles and loaded checkpoints are judged as they
-are.
+tree for hooks and for a signature of the tree (each module's class, mode and settable
+constants); only when a submodule has hooks, or the signature is not the one last found
+consistent (``meta_keys.CHECKED``: after FSDP2 swaps classes, say), does it read the graphs or
+the record. The hook itself holds nothing, so deep copies, pickles and loaded checkpoints are
+judged as they are.
 
-Not handled: a plain attribute changed on a module the graph runs inline (a Dropout's ``p``, a
-norm's ``eps``: the graph keeps the value it was captured with), and another mode for an inlined
-module of a class of the user's own whose ``forward`` reads ``self.training``; process-wide
-module hooks (``register_module_forward_hook``), which belong to no module; a hook added while
-the forward runs; the module ``fxopt.export`` writes, which is plain torch code without this
-guard.
+Not handled: a plain attribute of a module of the user's own class changed where the graph runs
+it inline (the graph keeps the value it was captured with), and another mode for such a module
+whose ``forward`` reads ``self.training``; process-wide module hooks
+(``register_module_forward_hook``), which belong to no module; a hook added while the forward
+runs; the module ``fxopt.export`` writes, which is plain torch code without this guard.
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ from torch import fx, nn
 from fxopt.core import meta_keys
 from fxopt.core.dropouts import DROPOUT_MODULES
 from fxopt.core.errors import ConfigError
-from fxopt.core.modules import call_hooks, has_hooks, hooks_and_signature
+from fxopt.core.modules import (
+    call_hooks,
+    constant_values,
+    has_hooks,
+    hooks_and_signature,
+    settable_constants,
+)
 from fxopt.core.torch_private import BatchNormBase, NormBase, forward_pre_hooks
 from fxopt.graph.graphs import called_paths, recomputed_paths
 from fxopt.integrations.fsdp import refuse_uncalled_shards
@@ -64,7 +71,7 @@ def guard_calls(gm: fx.GraphModule) -> None:
     if refuse_what_would_not_run not in forward_pre_hooks(gm):
         gm.register_forward_pre_hook(refuse_what_would_not_run)
     called = called_paths(gm)
-    gm.meta[meta_keys.INLINED] = tuple((path, _class_name(type(sub)))
+    gm.meta[meta_keys.INLINED] = tuple((path, _class_name(type(sub)), constant_values(sub))
                                        for path, sub in gm.named_modules()
                                        if path and path not in called)
     gm.meta.pop(meta_keys.CHECKED, None)
@@ -122,11 +129,13 @@ def _refuse_hooks(root: nn.Module) -> None:
                      "torch.no_grad(), where nothing is recomputed")
 
 
-def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str], ...]) -> None:
-    """``ConfigError`` when a module the graphs run inline was replaced or removed, or is a
-    BatchNorm or Dropout in another mode than the root's."""
+def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str, tuple], ...]
+                            ) -> None:
+    """``ConfigError`` when a module the graphs run inline was replaced or removed, has another
+    value of a constant its class declares (``settable_constants``), or is a BatchNorm or
+    Dropout in another mode than the root's."""
     mode = "train" if root.training else "eval"
-    for path, kind in inlined:
+    for path, kind, constants in inlined:
         try:
             current = root.get_submodule(path)
         except AttributeError:
@@ -142,6 +151,16 @@ def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str], ...
                 hint="make the change on your model, then optimize it (wrappers such as LoRA "
                      "adapters go in before fxopt.optimize); after optimize, replace only "
                      "modules the graph calls: the blocks fxopt.blocks(module) lists")
+        now = constant_values(current)
+        if now != constants:
+            name, was, value = next((n, a, b) for n, a, b in zip(
+                settable_constants(type(current)), constants, now) if a != b)
+            raise ConfigError(
+                f"{path}.{name} is {value!r} now, where fxopt.optimize saw {was!r}: the "
+                f"optimized graph runs that {type(current).__name__} inline with {name}={was!r} "
+                "built in",
+                where=f"{path} ({type(current).__name__})",
+                hint=f"set {name} on your model, then optimize it; or set it back to {was!r}")
         if _reads_its_mode(current) and current.training != root.training:
             own = "train" if current.training else "eval"
             raise ConfigError(
