@@ -262,3 +262,29 @@ def test_a_norms_momentum_set_after_optimize_takes_effect_or_is_refused(capture)
     slim(X), reference(X)
     for (name, a), b in zip(reference.named_buffers(), slim.buffers()):
         torch.testing.assert_close(b, a, msg=name)
+
+
+def test_under_torch_compile_the_guard_compiles_once_and_still_refuses_a_later_hook(resnet):
+    """torch.compile traces the guard (dynamo guards on what it read): steady calls compile
+    nothing more, and a hook registered afterwards recompiles it, which refuses the call."""
+    from torch._dynamo.utils import counters
+
+    _, slim = resnet
+    torch.compiler.reset()
+    compiled = torch.compile(slim, backend="aot_eager")
+    try:
+        compiled(X).sum().backward()
+        graphs = counters["stats"]["unique_graphs"]
+        for _ in range(3):
+            compiled(X).sum().backward()
+        assert counters["stats"]["unique_graphs"] == graphs
+        handle = slim.layer4.register_forward_hook(lambda *a: None)
+        try:
+            with pytest.raises(fxopt.ConfigError, match="never calls it"):
+                compiled(X)
+        finally:
+            handle.remove()
+    finally:
+        for p in slim.parameters():
+            p.grad = None
+        torch.compiler.reset()
