@@ -94,10 +94,6 @@ def refuse_what_would_not_run(module: nn.Module, args: Any) -> None:
                 checked[module.training] = signature
 
 
-# The two slow paths run outside torch.compile: they read every graph of the module, which dynamo
-# would trace (and recompile for each GraphModule class) for a check that ends in an error or
-# in caching a signature.
-@torch.compiler.disable
 def _refuse_hooks(root: nn.Module) -> None:
     paths: dict[int, list[str]] = {}
     for path, sub in root.named_modules(remove_duplicate=False):
@@ -134,7 +130,6 @@ def _refuse_hooks(root: nn.Module) -> None:
                      "torch.no_grad(), where nothing is recomputed")
 
 
-@torch.compiler.disable
 def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str, tuple], ...]
                             ) -> None:
     """``ConfigError`` when a module the graphs run inline was replaced or removed, has another
