@@ -44,7 +44,6 @@ runs; the module ``fxopt.export`` writes, which is plain torch code without this
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -62,7 +61,7 @@ from fxopt.core.modules import (
 )
 from fxopt.core.torch_private import BatchNormBase, NormBase, forward_pre_hooks
 from fxopt.graph.graphs import called_paths, recomputed_paths
-from fxopt.integrations.fsdp import refuse_uncalled_shards
+from fxopt.integrations.fsdp import fsdp_module_class, refuse_uncalled_shards
 
 
 def guard_calls(gm: fx.GraphModule) -> None:
@@ -103,7 +102,7 @@ def _refuse_hooks(root: nn.Module) -> None:
         return
     called = called_paths(root)
     recomputed = recomputed_paths(root) if torch.is_grad_enabled() else frozenset()
-    sharded = _fsdp_module_class()
+    sharded = fsdp_module_class()
     for where in paths.values():
         sub = root.get_submodule(where[0])
         kinds = " and ".join(call_hooks(sub))
@@ -186,7 +185,7 @@ def _same_class(module: nn.Module, kind: str) -> bool:
     made of it (``FSDP<class>``, deriving from FSDPModule and that class)."""
     if _class_name(type(module)) == kind:
         return True
-    sharded = _fsdp_module_class()
+    sharded = fsdp_module_class()
     return (sharded is not None and isinstance(module, sharded)
             and any(_class_name(base) == kind for base in type(module).__bases__))
 
@@ -197,10 +196,3 @@ def _reads_its_mode(module: nn.Module) -> bool:
     if isinstance(module, NormBase):
         return bool(module.track_running_stats)
     return isinstance(module, DROPOUT_MODULES) and module.p != 0
-
-
-def _fsdp_module_class() -> type | None:
-    """FSDP2's module class when torch.distributed.fsdp is imported (no module is an FSDP2 one
-    otherwise)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return getattr(fsdp, "FSDPModule", None)

@@ -19,6 +19,8 @@ judged as it is.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import fx, nn
 
@@ -31,10 +33,11 @@ def refuse_uncalled_shards(module: nn.Module) -> None:
     (module docstring)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    from torch.distributed.fsdp import FSDPModule
-
+    fsdp_module = fsdp_module_class()
+    if fsdp_module is None:
+        return
     sharded = [path for path, sub in module.named_modules()
-               if path and isinstance(sub, FSDPModule)]
+               if path and isinstance(sub, fsdp_module)]
     if not sharded:
         return
     called = called_paths(module)
@@ -50,3 +53,10 @@ def refuse_uncalled_shards(module: nn.Module) -> None:
             hint="fully_shard only the blocks fxopt.blocks(module) lists "
                  f"({', '.join(blocks[:3]) + (', ...' if len(blocks) > 3 else '') or 'none'}), "
                  "then the root; the embeddings and the head are sharded with the root")
+
+
+def fsdp_module_class() -> type | None:
+    """FSDP2's module class (``FSDPModule``), when ``torch.distributed.fsdp`` is imported: no
+    module is sharded by ``fully_shard`` otherwise, and checking for one imports nothing."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None)
