@@ -67,10 +67,11 @@ def graphs_of(module: nn.Module, *, nested: bool = True, bodies: bool = True) ->
             found.append(GraphOf(path, host, in_eval, EVAL, f"{where} (eval)"))
         if not bodies:
             return
+        for name, region in regions_of(gm).items():
+            if isinstance(region.body, fx.GraphModule):
+                visit(path, host, region.body, REGION, f"{where}.{name}.body")
         for name, value in vars(gm).items():
-            if isinstance(value, CheckpointedRegion) and isinstance(value.body, fx.GraphModule):
-                visit(path, host, value.body, REGION, f"{where}.{name}.body")
-            elif isinstance(value, fx.GraphModule):
+            if isinstance(value, fx.GraphModule):
                 visit(path, host, value, BODY, f"{where}.{name}")
 
     owners = module.named_modules() if nested else [("", module)]
@@ -104,17 +105,22 @@ def recomputed_paths(module: nn.Module) -> frozenset[str]:
     for owner in module.modules():
         if not isinstance(owner, fx.GraphModule):
             continue
-        for value in vars(owner).values():
-            graph_module = getattr(value, "recompute", None)
-            if not (isinstance(value, CheckpointedRegion)
-                    and isinstance(graph_module, fx.GraphModule)):
+        for region in regions_of(owner).values():
+            if not isinstance(region.recompute, fx.GraphModule):
                 continue
-            for node in graph_module.graph.nodes:
+            for node in region.recompute.graph.nodes:
                 if node.op == "call_module" or (
                         node.op == "get_attr"
                         and isinstance(_resolved(module, node.target), nn.Module)):
                     paths.add(node.target)
     return frozenset(paths)
+
+
+def regions_of(gm: fx.GraphModule) -> dict[str, CheckpointedRegion]:
+    """The checkpointed regions ``gm`` holds, by attribute name: plain attributes (code, no
+    state), which its graph hands to ``fxopt.runtime.regions.call_region``."""
+    return {name: value for name, value in vars(gm).items()
+            if isinstance(value, CheckpointedRegion)}
 
 
 def _resolved(module: nn.Module, target: str) -> object:
