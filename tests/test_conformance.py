@@ -23,6 +23,7 @@ from torch import nn
 
 import fxopt
 from helpers import FailAt, Injected
+from fxopt.core import meta_keys
 from fxopt.core.errors import InputError
 from fxopt.core.torch_private import forward_pre_hooks
 from fxopt.integrations.call_guard import refuse_what_would_not_run
@@ -200,6 +201,42 @@ def test_the_call_guard_is_the_one_piece_of_state_fxopt_adds_and_every_operation
     owner, _, attr = name.rpartition(".")
     setattr(slim.get_submodule(owner), attr, nn.Parameter(param.detach().clone()))
     assert _guards(slim) == 1 and _guards(copy.deepcopy(slim)) == 1
+
+
+def test_after_every_operation_the_call_guard_still_refuses_what_would_not_run(pair):
+    """The guard's record (``meta[INLINED]``: the modules the graphs run inline) survives what a
+    script does to the module: after load_state_dict with assign, a dtype round trip and a
+    deepcopy, a hook on an inlined module, a replaced inlined module and (on a capture that
+    inlines BatchNorm) a BatchNorm in another mode than the root are each refused before any
+    compute, and the module runs again once they are undone."""
+    model, slim, inputs = _copies(pair)
+    slim.load_state_dict(_new_state(model), assign=True)
+    slim.to(torch.float64).to(torch.float32)
+    slim = copy.deepcopy(slim)
+    inlined = [path for path, _, _ in slim.meta[meta_keys.INLINED]]
+    path = inlined[-1]
+    owner, _, attr = path.rpartition(".")
+    parent, module = slim.get_submodule(owner), slim.get_submodule(path)
+    buffers = {k: v.clone() for k, v in slim.named_buffers()}
+
+    def refused(match: str) -> None:
+        with pytest.raises(fxopt.ConfigError, match=match):
+            slim(**inputs)
+        assert all(torch.equal(v, buffers[k]) for k, v in slim.named_buffers())
+
+    handle = module.register_forward_hook(lambda *args: None)
+    refused("never calls it")
+    handle.remove()
+    setattr(parent, attr, nn.Identity())
+    refused("now, where fxopt.optimize saw")
+    setattr(parent, attr, module)
+    norms = [p for p in inlined if isinstance(slim.get_submodule(p), nn.BatchNorm2d)]
+    if norms:
+        slim.get_submodule(norms[0]).eval()
+        refused("in eval mode while the module is in train mode")
+        slim.get_submodule(norms[0]).train()
+    slim.zero_grad(set_to_none=True)
+    _loss(slim(**inputs)).backward()
 
 
 def test_a_forward_hook_on_the_model_survives_deepcopies_as_on_the_model():
