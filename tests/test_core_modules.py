@@ -12,6 +12,7 @@ from fxopt.core.modules import (
     MODULE_CONTAINERS,
     call_hooks,
     copy_hooks,
+    constant_values,
     has_hooks,
     hooks_and_signature,
     settable_constants,
@@ -276,12 +277,42 @@ def test_settable_constants_are_the_torch_constants_a_script_sets_without_new_pa
     assert settable_constants(Custom) == ()
 
 
+def test_constant_values_are_torch_constants_or_the_scalars_a_users_module_holds():
+    """A ``torch.nn`` module: its settable constants. A module of another class: every public
+    scalar attribute of the instance (a subclass of a torch module is one: Custom's ``p`` and
+    ``inplace``), none of its containers, private attributes or submodules."""
+    assert constant_values(nn.Dropout(0.3)) == (("p", 0.3),)
+    assert constant_values(nn.Linear(2, 2)) == ()
+
+    class Custom(nn.Dropout):
+        pass
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.scale, self.causal, self.window = 0.5, True, (4, 4)
+            self.dtype_, self.note = torch.bfloat16, None
+            self.table, self.pairs, self._private = {"a": 1}, ((1, 2),), 3
+
+    assert constant_values(Custom(0.2)) == (("p", 0.2), ("inplace", False))
+    assert constant_values(Scaled()) == (("scale", 0.5), ("causal", True), ("window", (4, 4)),
+                                         ("dtype_", torch.bfloat16), ("note", None))
+
+
+class Flagged(nn.Identity):
+    def __init__(self):
+        super().__init__()
+        self.on = True
+
+
 def test_the_tree_signature_moves_with_a_class_a_mode_or_a_constant_and_hooks_are_seen():
     model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1), nn.BatchNorm1d(2))
     hooked, signature = hooks_and_signature(model)
     assert not hooked and hooks_and_signature(model)[1] == signature
     changes = [lambda: setattr(model[1], "p", 0.2), lambda: model[2].eval(),
-               lambda: model.__setitem__(0, nn.Identity())]
+               lambda: model.__setitem__(0, nn.Identity()),
+               lambda: model.__setitem__(0, Flagged()), lambda: setattr(model[0], "on", False)]
     for change in changes:
         change()
         assert hooks_and_signature(model)[1] != signature

@@ -264,6 +264,84 @@ def test_a_norms_momentum_set_after_optimize_takes_effect_or_is_refused(capture)
         torch.testing.assert_close(b, a, msg=name)
 
 
+class Scaled(nn.Module):
+    """A module of the user's own class whose forward reads two plain attributes: a scale and a
+    flag it branches on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale, self.gated = 0.5, True
+
+    def forward(self, x):
+        y = self.fc(x) * self.scale
+        return y * torch.sigmoid(y) if self.gated else y
+
+
+class TwoScaled(nn.Module):
+    """Two repeated blocks (kept as calls) and a third Scaled the graph runs inline."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(Scaled(), Scaled())
+        self.gate = Scaled()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.gate(self.body(x)))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_scale_or_flag_set_after_optimize_on_a_module_of_the_users_class_is_refused(capture):
+    """Both captures build into the graph what ``forward`` read off ``self`` (the scale, the
+    branch taken): set anew or deleted after ``optimize``, it used to be ignored; now the call is
+    refused before any compute, and set back the module computes the model's function again;
+    on a module the graph runs inline and on a block it calls (a GraphModule, which holds the
+    attributes as the user's module did). An attribute added after ``optimize`` (a tag a script
+    hangs on a module) is accepted: the forward captured did not read it."""
+    model = seeded(TwoScaled)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    slim = fxopt.optimize(model, x, capture=capture, verify=False, predict_memory=False)
+    assert fxopt.blocks(slim) == ["body.0", "body.1"]
+    assert (slim.body[1].scale, slim.body[1].gated) == (0.5, True)
+    changes = [("body.1", "scale", 2.0, "scale is 2.0 now, where fxopt.optimize saw 0.5"),
+               ("gate", "gated", False, "gated is False now, where fxopt.optimize saw True"),
+               ("gate", "scale", None, "scale is not set now, where fxopt.optimize saw 0.5"),
+               ("body.0", "gated", None, "gated is not set now, where fxopt.optimize saw True")]
+    for path, name, value, message in changes:
+        module = slim.get_submodule(path)
+        was = getattr(module, name)
+        if value is None:
+            delattr(module, name)
+        else:
+            setattr(module, name, value)
+        with pytest.raises(fxopt.ConfigError, match=message) as caught:
+            slim(x)
+        assert caught.value.where == f"{path} (Scaled)"
+        assert f"set it back to {was!r}" in caught.value.hint
+        setattr(module, name, was)
+    slim.body[0].note = slim.gate.note = "tagged"
+    copied = copy.deepcopy(slim)
+    torch.testing.assert_close(slim(x), model(x))
+    copied.body[1].scale = 2.0
+    with pytest.raises(fxopt.ConfigError, match="body.1.scale is 2.0 now"):
+        copied(x)
+
+
+def test_an_attention_scaling_set_after_optimize_is_refused_on_an_export_captured_llama():
+    """A Hugging Face attention's ``scaling`` (a float the exported graph multiplies by) set
+    anew: refused, naming the layer."""
+    model = grouped_query_llama()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    slim = fxopt.optimize(model, (), example_kwargs={"input_ids": ids}, verify=False,
+                          predict_memory=False)
+    attention = slim.model.layers[1].self_attn
+    attention.scaling = 1.0
+    with pytest.raises(fxopt.ConfigError, match="scaling is 1.0 now") as caught:
+        slim(input_ids=ids)
+    assert caught.value.where == "model.layers.1.self_attn (LlamaAttention)"
+
+
 def test_under_torch_compile_the_guard_compiles_once_and_still_refuses_a_later_hook(resnet):
     """torch.compile traces the guard (dynamo guards on what it read): steady calls compile
     nothing more, and a hook registered afterwards recompiles it, which refuses the call."""

@@ -16,10 +16,14 @@ value holds; code uses the constants, never the strings.
 - ``BLOCKS`` (``"fxopt_blocks"``): what ``fxopt.rewrite.blocks`` kept as block calls, and the
   blocks left flat with why.
 - ``INLINED`` (``"fxopt_inlined"``): on what ``fxopt.optimize`` returns, the path, class name
-  (``"module.qualname"``) and settable constants (``fxopt.core.modules.constant_values``) of
-  every module its graphs run inline (call none of), as optimize left them; and ``CHECKED`` (``"fxopt_checked"``): per training mode, the signature
-  of the module tree the call guard last found consistent with them. Both written and read by
-  ``fxopt.integrations.call_guard``.
+  (``"module.qualname"``) and constants (``fxopt.core.modules.constant_values``) of every
+  module its graphs run inline (call none of), as optimize left them; and ``CHECKED``
+  (``"fxopt_checked"``): per training mode, the signature of the module tree the call guard
+  last found consistent with them. Both written and read by ``fxopt.integrations.call_guard``.
+- ``BLOCK_CONSTANTS`` (``"fxopt_block_constants"``): on a block ``fxopt.rewrite.blocks`` kept,
+  ``{name: value}`` of the scalar attributes of the module it stands for
+  (``fxopt.core.modules.constant_values``), which the block holds too and its graph has built
+  in; read by ``constant_values`` and the call guard.
 
 ``node.meta``:
 
@@ -48,6 +52,7 @@ CAPTURED = "fxopt_captured"
 BLOCKS = "fxopt_blocks"
 INLINED = "fxopt_inlined"
 CHECKED = "fxopt_checked"
+BLOCK_CONSTANTS = "fxopt_block_constants"
 PASS = "fxopt_pass"
 SAVED = "fxopt_saved"
 META_SOURCE = "fxopt_meta_source"

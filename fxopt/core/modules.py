@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 
+from fxopt.core import meta_keys
 from fxopt.core.torch_private import (
     COMPILED_CALL,
     FULL_BACKWARD_HOOK_FLAG,
@@ -111,9 +112,56 @@ def settable_constants(cls: type) -> tuple[str, ...]:
     return tuple(n for n in getattr(cls, "__constants__", ()) if n in _SETTABLE_CONSTANTS)
 
 
-def constant_values(module: nn.Module) -> tuple:
-    """``module``'s values of its ``settable_constants``."""
-    return tuple(getattr(module, name, None) for name in settable_constants(type(module)))
+# What a value a graph may have built in is, when a module of a class outside torch holds it as a
+# plain attribute: a flag its forward branches on, a scale, a size, a dtype.
+_SCALAR_TYPES = frozenset({bool, int, float, complex, str, type(None), torch.dtype,
+                           torch.device})
+
+
+def constant_values(module: nn.Module) -> tuple[tuple[str, object], ...]:
+    """What a graph that runs ``module`` inline may have built in, as (name, value) pairs. For a
+    ``torch.nn`` class: its ``settable_constants``. For a class of the user's or a library's
+    (a Hugging Face attention's ``scaling``, a flag its ``forward`` branches on): every public
+    attribute of the instance holding a scalar (bool, int, float, str, None, a dtype or a device,
+    or a tuple of those), whether or not ``forward`` reads it: which it reads, the graph no
+    longer says. A class FSDP2's ``fully_shard`` made (``FSDP<class>``) counts as its class; a
+    block ``fxopt.rewrite.blocks`` kept (a GraphModule) counts as the module it stands for
+    (``meta_keys.BLOCK_CONSTANTS``: a deleted one reads as ``UNSET``)."""
+    if isinstance(module, fx.GraphModule):
+        recorded = module.meta.get(meta_keys.BLOCK_CONSTANTS, {})
+        return tuple((name, module.__dict__.get(name, UNSET)) for name in recorded)
+    cls = _unsharded_class(type(module))
+    if cls.__module__.startswith("torch."):
+        return tuple((name, getattr(module, name, None)) for name in settable_constants(cls))
+    return tuple((name, value) for name, value in module.__dict__.items()
+                 if name[0] != "_" and name != "training" and _is_scalar(value))
+
+
+class _Unset:
+    """What ``constant_values`` reads for a recorded attribute deleted since."""
+
+    def __repr__(self) -> str:
+        return "not set"
+
+    def __reduce__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
+
+
+def _is_scalar(value: object) -> bool:
+    if type(value) is tuple:
+        return all(type(item) in _SCALAR_TYPES for item in value)
+    return type(value) in _SCALAR_TYPES
+
+
+@functools.cache
+def _unsharded_class(cls: type) -> type:
+    """``cls``, or the class FSDP2's ``fully_shard`` made it from (the first base outside
+    ``torch.distributed``)."""
+    return next((c for c in cls.__mro__ if not c.__module__.startswith("torch.distributed.")),
+                cls)
 
 
 def hooks_and_signature(root: nn.Module) -> tuple[bool, tuple]:
@@ -129,11 +177,9 @@ def hooks_and_signature(root: nn.Module) -> tuple[bool, tuple]:
         if module is None:  # register_module(name, None) is allowed
             continue
         hooked = hooked or has_hooks(module)
-        cls = type(module)
-        signature.append(id(cls))
+        signature.append(id(type(module)))
         signature.append(module.training)
-        for name in settable_constants(cls):
-            signature.append(getattr(module, name, None))
+        signature.append(constant_values(module))
         stack.extend(module._modules.values())
     return hooked, tuple(signature)
 
@@ -157,12 +203,16 @@ def deepcopy_keeping_hooks(module: fx.GraphModule, memo: dict) -> fx.GraphModule
     does. torch.fx's own keeps only the state_dict hooks: a forward hook the user registered
     on the model (``fxopt.capture.trace.graph_module_like`` copies it onto the optimized module)
     or fxopt's shard guard would be gone from the copy, which would then compute another
-    function than ``copy.deepcopy(model)``. Install it as the class's ``__deepcopy__``."""
+    function than ``copy.deepcopy(model)``. A block's scalar attributes
+    (``meta_keys.BLOCK_CONSTANTS``) are kept too. Install it as the class's ``__deepcopy__``."""
     copied = fx.GraphModule.__deepcopy__(module, memo)
     for name in (*HOOK_DICTS, FULL_BACKWARD_HOOK_FLAG):
         if name in module.__dict__:
             copied.__dict__[name] = copy.deepcopy(module.__dict__[name], memo)
     _plain_attributes_stay_plain(module, copied)
+    for name in module.meta.get(meta_keys.BLOCK_CONSTANTS, ()):  # a block's, which its graph
+        if name in module.__dict__:                                # does not read
+            copied.__dict__[name] = copy.deepcopy(module.__dict__[name], memo)
     carry_instance_methods(module, copied)
     return copied
 

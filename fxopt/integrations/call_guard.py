@@ -20,24 +20,28 @@ graph runs inline does not reach the computation:
   where it has them;
 - a constant of a ``torch.nn`` module set anew (a Dropout's ``p``, a norm's ``eps`` or
   ``momentum``, ``fxopt.core.modules.settable_constants``): the graph has the old value built in;
+  likewise a scalar attribute (a flag, a scale, a size) of a module of another class set anew
+  or deleted (``fxopt.core.modules.constant_values``): its ``forward`` may have read it,
+  and the graph has what it read built in;
 - a BatchNorm (with running statistics) or a Dropout (p > 0) switched to another mode than the
   root's (a frozen BatchNorm, Monte Carlo dropout): the graph runs it in the root's mode.
 
 ``refuse_what_would_not_run`` is the one forward pre-hook ``fxopt.optimize`` registers on the
-module it returns (``guard_calls``, which also records the class name and settable constants of
-each module run inline, ``meta_keys.INLINED``). It raises ``ConfigError`` naming the module before
+module it returns (``guard_calls``, which also records the class name and constants of each
+module run inline, ``meta_keys.INLINED``). It raises ``ConfigError`` naming the module before
 any compute. Hooks registered on the model before ``optimize`` are planned for instead: symbolic
 tracing keeps a hooked module as a call, passes leave it alone and the checkpoint plan keeps it
 out of its regions, so they run once a step as on the user's model. Each call walks the module
-tree for hooks and for a signature of the tree (each module's class, mode and settable
-constants); only when a submodule has hooks, or the signature is not the one last found
+tree for hooks and for a signature of the tree (each module's class, mode and constants); only when a submodule has hooks, or the signature is not the one last found
 consistent (``meta_keys.CHECKED``: after FSDP2 swaps classes, say), does it read the graphs or
 the record. The hook itself holds nothing, so deep copies, pickles and loaded checkpoints are
 judged as they are.
 
-Not handled: a plain attribute of a module of the user's own class changed where the graph runs
-it inline (the graph keeps the value it was captured with), and another mode for such a module
-whose ``forward`` reads ``self.training``; process-wide module hooks
+Not handled: an attribute of a module of the user's own class that is no scalar (a list, a dict,
+an object) changed in place where the graph runs it inline (the graph keeps what its forward read
+when captured), and another mode for such a module whose ``forward`` reads ``self.training``;
+an attribute of the user's root module (the optimized module is a GraphModule of its own);
+process-wide module hooks
 (``register_module_forward_hook``), which belong to no module; a hook added while the forward
 runs; the module ``fxopt.export`` writes, which is plain torch code without this guard.
 """
@@ -53,6 +57,7 @@ from fxopt.core import meta_keys
 from fxopt.core.dropouts import DROPOUT_MODULES
 from fxopt.core.errors import ConfigError
 from fxopt.core.modules import (
+    UNSET,
     call_hooks,
     constant_values,
     has_hooks,
@@ -132,8 +137,8 @@ def _refuse_hooks(root: nn.Module) -> None:
 def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str, tuple], ...]
                             ) -> None:
     """``ConfigError`` when a module the graphs run inline was replaced or removed, has another
-    value of a constant its class declares (``settable_constants``), or is a BatchNorm or
-    Dropout in another mode than the root's."""
+    value of a constant (``constant_values``), or is a BatchNorm or Dropout in another mode
+    than the root's; or when a kept block's constants (``meta_keys.BLOCK_CONSTANTS``) changed."""
     mode = "train" if root.training else "eval"
     for path, kind, constants in inlined:
         try:
@@ -151,16 +156,9 @@ def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str, tupl
                 hint="make the change on your model, then optimize it (wrappers such as LoRA "
                      "adapters go in before fxopt.optimize); after optimize, replace only "
                      "modules the graph calls: the blocks fxopt.blocks(module) lists")
-        now = constant_values(current)
-        if now != constants:
-            name, was, value = next((n, a, b) for n, a, b in zip(
-                settable_constants(type(current)), constants, now) if a != b)
-            raise ConfigError(
-                f"{path}.{name} is {value!r} now, where fxopt.optimize saw {was!r}: the "
-                f"optimized graph runs that {type(current).__name__} inline with {name}={was!r} "
-                "built in",
-                where=f"{path} ({type(current).__name__})",
-                hint=f"set {name} on your model, then optimize it; or set it back to {was!r}")
+        now = dict(constant_values(current))
+        if any(now.get(name, UNSET) != value for name, value in constants):
+            _refuse_changed_constant(path, current, dict(constants), now)
         if _reads_its_mode(current) and current.training != root.training:
             own = "train" if current.training else "eval"
             raise ConfigError(
@@ -172,6 +170,35 @@ def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str, tupl
                      "train with BatchNorm frozen or dropout on in eval, optimize with "
                      "capture='fx' (symbolic tracing calls BatchNorm and Dropout modules, which "
                      "read their own flag)")
+    for path, block in root.named_modules():
+        recorded = (block.meta.get(meta_keys.BLOCK_CONSTANTS)
+                    if isinstance(block, fx.GraphModule) else None)
+        if recorded:
+            now = dict(constant_values(block))
+            if now != recorded:
+                _refuse_changed_constant(path, block, recorded, now)
+
+
+def _refuse_changed_constant(path: str, module: nn.Module, was: dict[str, object],
+                             now: dict[str, object]) -> None:
+    """``ConfigError`` naming the first constant of ``module`` set anew or deleted. One added
+    since optimize is not: the forward captured did not read it (but through a default)."""
+    name = next(n for n in was if now.get(n, UNSET) != was[n])
+
+    def said(values: dict[str, object]) -> str:
+        return repr(values.get(name, UNSET))
+
+    cls = type(module).__name__
+    built_in = (f"runs that {cls} inline with {name}={said(was)} built in"
+                if settable_constants(type(module)) else
+                f"runs that {cls} as fxopt.optimize captured it: had its forward read "
+                f"{name}, the value it read then is built in")
+    raise ConfigError(
+        f"{path}.{name} is {said(now)} now, where fxopt.optimize saw {said(was)}: the optimized "
+        f"graph {built_in}",
+        where=f"{path} ({cls})",
+        hint=f"set {name} on your model, then optimize it; or set it back to {said(was)}")
+
 
 
 def _class_name(cls: type) -> str:

@@ -8,7 +8,10 @@ submodules, parameters and buffers (the same objects, in the same order, so ``st
 do not change), and the root graph calls it, ``getattr(self.model.layers, "0")(hidden, cos,
 sin)``. The block's graph reads its own parameters when it is called. So ``fully_shard(block)``
 gathers them around that call, ``torch.compile(block)`` compiles it, and hooks a script
-registers on a block fire as on the user's model.
+registers on a block fire as on the user's model. The block holds the scalar attributes of the
+module it stands for (``fxopt.core.modules.constant_values``: a layer's ``hidden_size``, a flag),
+so a script reads them as on the user's model; set anew, the optimized module's call guard
+refuses the call (``fxopt.integrations.call_guard``): the block's graph has them built in.
 
 A checkpointed region lies in one block (the planner sees to it), so its call moves into the
 block with it. What a block reads that is not its own (a rotary table the root computes, a
@@ -44,6 +47,7 @@ from fxopt.graph.train_eval import (
 from fxopt.graph.graphs import graph_module_like
 from fxopt.core import meta_keys
 from fxopt.core.modules import (
+    constant_values,
     own_children,
     own_tensors,
     replace_child,
@@ -228,6 +232,11 @@ def _install_block(gm: fx.GraphModule, train: _Segment, evaluation: _Segment | N
     for name in carried.values():
         shell.__dict__.pop(name, None)
     block.training = shell.training
+    constants = {name: value for name, value in constant_values(shell)
+                 if not hasattr(block, name)}  # what the graph has built in, readable as before
+    for name, value in constants.items():
+        object.__setattr__(block, name, value)
+    block.meta[meta_keys.BLOCK_CONSTANTS] = constants
     if evaluation is not None:
         install_eval_graph(block, _block_graph(evaluation, names))
         refuse_pickling(block)
