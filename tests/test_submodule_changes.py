@@ -328,6 +328,50 @@ def test_a_scale_or_flag_set_after_optimize_on_a_module_of_the_users_class_is_re
         copied(x)
 
 
+def _doubled(module, args, output):
+    return output * 2
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_torch_load_keeps_the_optimized_modules_hooks_mode_and_guard(capture, tmp_path):
+    """torch.fx's loading rebuilds a GraphModule from its code and dropped what every module has
+    anew: the loaded module ran without the user's forward hook (another function), in train
+    mode whatever it was saved in, and without the call guard, so a hook or a constant set
+    afterwards on a module the graph runs inline was silently ignored. Loaded now, it computes
+    the model's function in the mode it was saved in, and refuses as the saved one does.
+    (torch.export refuses a model with hooks: the hook is the symbolic-tracing path's.)"""
+    model = seeded(TwoScaled)
+    if capture == "fx":
+        model.register_forward_hook(_doubled)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    slim = fxopt.optimize(model, x, capture=capture, verify=False, predict_memory=False)
+    slim.eval()
+    torch.save(slim, tmp_path / "slim.pt")
+    loaded = torch.load(tmp_path / "slim.pt", weights_only=False)
+    assert not loaded.training and loaded.body[1].scale == 0.5
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))
+    handle = loaded.gate.register_forward_hook(_doubled)
+    with pytest.raises(fxopt.ConfigError, match="never calls it"):
+        loaded(x)
+    handle.remove()
+    for module in (loaded.gate, loaded.body[1]):
+        module.scale = 2.0
+        with pytest.raises(fxopt.ConfigError, match="scale is 2.0 now"):
+            loaded(x)
+        module.scale = 0.5
+    again = torch.load(_saved(loaded, tmp_path), weights_only=False)  # a loaded one saves too
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), model(x))
+
+
+def _saved(module, folder):
+    path = folder / "again.pt"
+    torch.save(module, path)
+    return path
+
+
 def test_an_attention_scaling_set_after_optimize_is_refused_on_an_export_captured_llama():
     """A Hugging Face attention's ``scaling`` (a float the exported graph multiplies by) set
     anew: refused, naming the layer."""

@@ -12,7 +12,12 @@ the code on load. Three things a capture can hold do not survive that:
 
 A module holding any of them raises ``ExportError`` from ``torch.save`` / ``pickle.dumps`` and
 says to save its ``state_dict()`` or export a folder instead. Every other capture pickles as
-torch.fx pickles it.
+torch.fx pickles it, and keeps what torch.fx's loading drops, as ``torch.load`` keeps it for any
+module (``keep_state_when_pickled``): its hooks (a forward hook the user had on the model; the
+optimized module's call guard), its ``training`` flag, and the guard's record of what the graphs
+run inline (``meta_keys.INLINED``, ``BLOCK_CONSTANTS``). torch.fx rebuilds the module from its
+code, and keeps an attribute of the saved one only where the new module lacks it: every
+``nn.Module`` has hook dicts, a flag and (a GraphModule) a ``meta``, so the saved ones were lost.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from typing import Any
 
 from torch import fx, nn
 
+from fxopt.core import meta_keys
 from fxopt.core.errors import ExportError
-from fxopt.core.modules import set_instance_method
+from fxopt.core.modules import HOOK_DICTS, deepcopy_keeping_hooks, set_instance_method
+from fxopt.core.torch_private import FULL_BACKWARD_HOOK_FLAG
 from fxopt.core.torch_private import set_tracer_class, tracer_class
 from fxopt.graph.train_eval import has_eval_graph
 
@@ -52,6 +59,37 @@ def reloadable(gm: fx.GraphModule) -> fx.GraphModule:
     records the same attributes)."""
     if tracer_class(gm) is None:
         set_tracer_class(gm, ReloadTracer)
+    keep_state_when_pickled(gm)
+    return gm
+
+
+# What torch.fx's loading drops (module docstring); the call guard's record of a root or a block.
+_KEPT_ATTRIBUTES = (*HOOK_DICTS, FULL_BACKWARD_HOOK_FLAG, "training")
+_KEPT_META = (meta_keys.INLINED, meta_keys.BLOCK_CONSTANTS)
+
+
+def keep_state_when_pickled(gm: fx.GraphModule) -> None:
+    """Pickle ``gm`` as torch.fx does, keeping what its loading would drop (module docstring)."""
+    set_instance_method(gm, "__reduce__", _reduce_keeping_state)
+
+
+def _reduce_keeping_state(self: fx.GraphModule) -> tuple:
+    rebuild, args = fx.GraphModule.__reduce__(self)
+    kept = {name: self.__dict__[name] for name in _KEPT_ATTRIBUTES if name in self.__dict__}
+    meta = {key: self.meta[key] for key in _KEPT_META if key in self.meta}
+    return _reloaded, (rebuild, args, kept, meta)
+
+
+def _reloaded(rebuild: Any, args: tuple, kept: dict[str, Any], meta: dict[str, Any]
+              ) -> fx.GraphModule:
+    """The module torch.fx's ``rebuild`` makes, with what ``_reduce_keeping_state`` kept."""
+    gm = rebuild(*args)
+    gm.__dict__.update(kept)
+    gm.meta.update(meta)
+    if meta_keys.INLINED in meta:
+        gm.meta[meta_keys.CHECKED] = {}  # the guard then checks the loaded tree on its first call
+    set_instance_method(gm, "__deepcopy__", deepcopy_keeping_hooks)
+    keep_state_when_pickled(gm)
     return gm
 
 
