@@ -130,9 +130,9 @@ def constant_values(module: nn.Module) -> tuple[tuple[str, object], ...]:
     if isinstance(module, fx.GraphModule):
         recorded = module.meta.get(meta_keys.BLOCK_CONSTANTS, {})
         return tuple((name, module.__dict__.get(name, UNSET)) for name in recorded)
-    cls = _unsharded_class(type(module))
-    if cls.__module__.startswith("torch."):
-        return tuple((name, getattr(module, name, None)) for name in settable_constants(cls))
+    names = _torch_constants(type(module))
+    if names is not None:
+        return tuple((name, getattr(module, name, None)) for name in names)
     return tuple((name, value) for name, value in module.__dict__.items()
                  if name[0] != "_" and name != "training" and _is_scalar(value))
 
@@ -157,11 +157,13 @@ def _is_scalar(value: object) -> bool:
 
 
 @functools.cache
-def _unsharded_class(cls: type) -> type:
-    """``cls``, or the class FSDP2's ``fully_shard`` made it from (the first base outside
-    ``torch.distributed``)."""
-    return next((c for c in cls.__mro__ if not c.__module__.startswith("torch.distributed.")),
+def _torch_constants(cls: type) -> tuple[str, ...] | None:
+    """The ``settable_constants`` of a torch class, None for another class. A class FSDP2's
+    ``fully_shard`` made counts as the one it made it from (its first base outside
+    ``torch.distributed``). Cached: the call guard asks it of every module on every call."""
+    base = next((c for c in cls.__mro__ if not c.__module__.startswith("torch.distributed.")),
                 cls)
+    return settable_constants(base) if base.__module__.startswith("torch.") else None
 
 
 def hooks_and_signature(root: nn.Module) -> tuple[bool, tuple]:
