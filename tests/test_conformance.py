@@ -213,7 +213,7 @@ def test_after_every_operation_the_call_guard_still_refuses_what_would_not_run(p
     slim.load_state_dict(_new_state(model), assign=True)
     slim.to(torch.float64).to(torch.float32)
     slim = copy.deepcopy(slim)
-    inlined = [path for path, _, _ in slim.meta[meta_keys.INLINED]]
+    inlined = [path for path, *_ in slim.meta[meta_keys.INLINED]]
     path = inlined[-1]
     owner, _, attr = path.rpartition(".")
     parent, module = slim.get_submodule(owner), slim.get_submodule(path)

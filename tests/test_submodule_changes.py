@@ -198,10 +198,12 @@ def test_a_module_replaced_where_the_graph_runs_it_inline_is_refused_and_a_calle
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
 def test_a_batch_norm_frozen_after_optimize_is_frozen_or_refused(capture):
-    """torch.export lowers BatchNorm into the graph in the root's mode: a BatchNorm frozen in eval
-    after ``optimize`` used to keep normalizing with batch statistics and updating its running
-    ones; now the call is refused. Symbolic tracing calls BatchNorm as a module, which reads its
-    own flag: frozen there, it trains as the user's model does."""
+    """torch.export lowers BatchNorm into the graph in the mode of the graph that runs it (the
+    root's, or a kept block's): a BatchNorm frozen in eval inside a block that trains used to
+    keep normalizing with batch statistics and updating its running ones; now the call is
+    refused. A whole block frozen runs its eval-mode graph: it trains as the user's model does.
+    Symbolic tracing calls BatchNorm as a module, which reads its own flag: frozen there, it
+    trains as the user's model does."""
     model = seeded(lambda: torchvision.models.resnet18(num_classes=10))
     slim = fxopt.optimize(model, X, capture=capture, verify=False, predict_memory=False)
     reference = copy.deepcopy(model)
@@ -209,15 +211,16 @@ def test_a_batch_norm_frozen_after_optimize_is_frozen_or_refused(capture):
         module.layer1[0].bn1.eval()
     if capture == "export":
         before = _buffers(slim)
-        with pytest.raises(fxopt.ConfigError, match="in eval mode while the module is in "
-                                                    "train mode") as caught:
+        with pytest.raises(fxopt.ConfigError, match="in eval mode while layer1.0, a block the "
+                                                    "optimized graph calls, is in train mode"
+                           ) as caught:
             slim(X)
         assert caught.value.where == "layer1.0.bn1 (BatchNorm2d)"
         assert "capture='fx'" in caught.value.hint
         assert all(torch.equal(v, before[k]) for k, v in slim.named_buffers())
-        slim.train()  # the whole module in one mode again
-        slim(X)
-        return
+        assert "layer1.0" in fxopt.blocks(slim)
+        for module in (reference, slim):
+            module.layer1[0].eval()  # the whole block: its eval-mode graph runs
     torch.testing.assert_close(slim(X), reference(X))
     for (name, a), b in zip(reference.named_buffers(), slim.buffers()):
         torch.testing.assert_close(b, a, msg=name)
@@ -326,6 +329,118 @@ def test_a_scale_or_flag_set_after_optimize_on_a_module_of_the_users_class_is_re
     copied.body[1].scale = 2.0
     with pytest.raises(fxopt.ConfigError, match="body.1.scale is 2.0 now"):
         copied(x)
+
+
+class Doubling(nn.Module):
+    """A module of the user's class whose forward reads ``self.training``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 2.0 if self.training else y
+
+
+class DoublingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.doubling, self.fc = Doubling(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.fc(self.doubling(x))
+
+
+class Moded(nn.Module):
+    """Two blocks (kept as calls) that hold a Doubling each, and a Doubling the root's graph runs
+    inline."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(DoublingBlock(), DoublingBlock())
+        self.gate, self.head = Doubling(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.gate(self.body(x)))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_module_of_the_users_class_in_another_mode_computes_as_its_mode_or_is_refused(capture):
+    """Both captures trace forward in train mode and in eval mode, each with every module in
+    that mode; a module the graph runs inline runs as in the mode of the graph that runs it (the
+    root's, or a kept block's). One of the user's class whose forward reads ``self.training``,
+    switched to another mode after ``optimize``, used to compute as in the graph's mode; now the
+    call is refused. The capture lists which modules compute differently in the two modes
+    (``TraceInfo.mode_dependent_modules``): switching any other (a Linear, a Sequential of
+    blocks, a whole block, which runs its own eval-mode graph) computes as on the user's model,
+    and a module kept as a call (``leaf_modules``) runs in its own mode."""
+    model = seeded(Moded)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    slim = fxopt.optimize(model, x, capture=capture, verify=False, predict_memory=False)
+    assert fxopt.blocks(slim) == ["body.0", "body.1"]
+    assert slim.fxopt_report.trace.mode_dependent_modules == (
+        "body.0.doubling", "body.1.doubling", "gate")
+    reference = copy.deepcopy(model)
+    for path in ("head", "body.0.fc", "body.1", "body"):
+        for module in (reference, slim):
+            module.train()
+            module.get_submodule(path).eval()
+        torch.testing.assert_close(slim(x), reference(x), msg=path)
+    refusals = [("gate", "while the module is in train mode"),
+                ("body.0.doubling", "while body.0, a block the optimized graph calls, is in "
+                                    "train mode")]
+    for path, message in refusals:
+        slim.train()
+        slim.get_submodule(path).eval()
+        with pytest.raises(fxopt.ConfigError, match=message) as caught:
+            slim(x)
+        assert caught.value.where == f"{path} (Doubling)"
+        assert "reads self.training" in str(caught.value)
+        assert f"leaf_modules=('{path}',)" in caught.value.hint
+    slim.eval()
+    slim.gate.train()
+    with torch.no_grad(), pytest.raises(fxopt.ConfigError, match="gate .* in train mode while"):
+        slim(x)
+    kept = fxopt.optimize(model, x, capture=capture, leaf_modules=("gate",), verify=False,
+                          predict_memory=False)
+    for module in (reference, kept):
+        module.train()
+        module.gate.eval()
+    torch.testing.assert_close(kept(x), reference(x))
+
+
+def test_modes_change_what_their_own_operations_or_their_calls_do():
+    """``modules_the_mode_changes`` on two tiny graphs per case: a module's own operations, the
+    submodules it runs, and a dropout that drops nothing (one computation in either mode)."""
+    from fxopt.graph.train_eval import modules_the_mode_changes
+
+    class Choosing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.off = nn.Linear(4, 4), nn.Linear(4, 4), nn.Dropout(0.0)
+
+        def forward(self, x):
+            return self.off(self.a(x) if self.training else self.b(x))
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.choosing, self.plain, self.doubling = Choosing(), nn.Linear(4, 4), Doubling()
+            self.doubling.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.doubling(self.plain(self.choosing(x)))
+
+    class InlineAll(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return False
+
+    model = Outer()
+    graphs = [InlineAll().trace(model.train(mode)) for mode in (True, False)]
+    assert modules_the_mode_changes(*graphs) == ("choosing", "choosing.a", "choosing.b",
+                                                 "doubling")
+    assert modules_the_mode_changes(graphs[0], graphs[0]) == ()
 
 
 def _doubled(module, args, output):

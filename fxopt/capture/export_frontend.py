@@ -137,7 +137,12 @@ from fxopt.capture.trace_checks import (
     user_frame,
 )
 from fxopt.graph.pickling import refuse_pickling
-from fxopt.graph.train_eval import eval_module_on, install_eval_graph, same_graph
+from fxopt.graph.train_eval import (
+    eval_module_on,
+    install_eval_graph,
+    modules_the_mode_changes,
+    same_graph,
+)
 from fxopt.core import meta_keys
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy
@@ -531,6 +536,7 @@ def capture_with_export(model: nn.Module, args: tuple, kwargs: dict[str, Any] | 
     if not same_graph(graphs[0], graphs[1], gm):
         install_eval_graph(gm, graphs[1])
         info.mode_dependent = True
+        info.mode_dependent_modules = modules_the_mode_changes(*graphs)
     _mark_portable(gm)
     if info.mode_dependent:  # first: the leaves' records (one per module) go on both graphs
         _propagate(model, eval_module_on(gm), placeholders, arguments, record=False)

@@ -60,7 +60,7 @@ from fxopt.capture.trace_checks import (
 )
 from fxopt.graph.graphs import graph_module_like
 from fxopt.graph.pickling import ReloadTracer, refuse_pickling
-from fxopt.graph.train_eval import install_eval_graph, same_graph
+from fxopt.graph.train_eval import install_eval_graph, modules_the_mode_changes, same_graph
 from fxopt.core import meta_keys
 from fxopt.core.errors import TraceError
 from fxopt.core.inputs import check_inputs, concrete_args
@@ -97,6 +97,8 @@ class TraceInfo:
     seconds: float = 0.0
     # True when forward's Python code depends on self.training (see fxopt.graph.train_eval)
     mode_dependent: bool = False
+    # the modules whose operations differ between the two modes (modules_the_mode_changes)
+    mode_dependent_modules: tuple[str, ...] = ()
     frontend: str = "fx"
     not_used: tuple[tuple[str, str], ...] = ()
     # one line per opaque leaf measured on a real run (fxopt.analysis.leaf_runs.leaf_lines)
@@ -302,6 +304,7 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: tuple[str, ...
         install_eval_graph(gm, eval_graph)
         refuse_pickling(gm)
         info.mode_dependent = True
+        info.mode_dependent_modules = modules_the_mode_changes(graph, eval_graph)
     propagate_meta_explained(model, gm, args)
     record_leaf_runs(gm, args)  # leaves that cannot run on fakes: measured on a real run
     info.seconds = time.perf_counter() - start

@@ -16,7 +16,8 @@ value holds; code uses the constants, never the strings.
 - ``BLOCKS`` (``"fxopt_blocks"``): what ``fxopt.rewrite.blocks`` kept as block calls, and the
   blocks left flat with why.
 - ``INLINED`` (``"fxopt_inlined"``): on what ``fxopt.optimize`` returns, the path, class name
-  (``"module.qualname"``) and constants (``fxopt.core.modules.constant_values``) of every
+  (``"module.qualname"``), constants (``fxopt.core.modules.constant_values``) and whether its
+  mode changes what it computes (the capture's ``TraceInfo.mode_dependent_modules``) of every
   module its graphs run inline (call none of), as optimize left them; and ``CHECKED``
   (``"fxopt_checked"``): per training mode, the signature of the module tree the call guard
   last found consistent with them. Both written and read by ``fxopt.integrations.call_guard``.

@@ -32,6 +32,7 @@ from torch import fx
 
 from fxopt.core.dropouts import drops_nothing
 from fxopt.core.errors import TraceError
+from fxopt.core.meta_keys import module_stack
 from fxopt.core.modules import code_only_module, deepcopy_keeping_hooks, set_instance_method
 from fxopt.core.torch_private import CodeGen, codegen_of, has_plain_codegen
 from fxopt.runtime.eval_forward import EvalForward
@@ -113,6 +114,63 @@ def _same_target(x: fx.Node, y: fx.Node, root_a: torch.nn.Module,
     return (all(isinstance(v, torch.Tensor) for v in values)
             and values[0].shape == values[1].shape and values[0].dtype == values[1].dtype
             and bool(torch.equal(values[0], values[1])))
+
+
+def modules_the_mode_changes(train: fx.Graph, evaluation: fx.Graph) -> tuple[str, ...]:
+    """The paths of the modules (as ``nn_module_stack`` names them, the root excluded) that
+    compute differently in train and in eval mode, read off a trace with every module in train
+    mode and one in eval mode: those whose own operations differ (a Dropout's, a BatchNorm's, a
+    stochastic depth or a branch of the user's that reads ``self.training``), or which run other
+    submodules, or in another order. A container whose submodules alone differ (a Sequential of
+    blocks, each of which a graph may call in its own mode) is not one: each submodule that
+    differs is listed itself. Coarse where it errs: tensors a ``get_attr`` node reads are not
+    compared, and a submodule run twice in a row reads as run once."""
+    ops_train, ops_eval = _ops_by_module(train), _ops_by_module(evaluation)
+    return tuple(sorted(path for path in ops_train.keys() | ops_eval.keys()
+                        if ops_train.get(path) != ops_eval.get(path)))
+
+
+def _ops_by_module(graph: fx.Graph) -> dict[str, list[tuple]]:
+    """Module path -> what it runs, in order: its own operations with their arguments (a node
+    argument read as its position among that module's own operations, or ``"outside"``), and
+    ``("in", child)`` where a submodule runs."""
+    ops: dict[str, list[tuple]] = {}
+    position: dict[str, dict[fx.Node, int]] = {}
+    for node in graph.nodes:
+        stack = [path for path, _kind in module_stack(node) if path]
+        for depth, path in enumerate(stack):
+            seen = ops.setdefault(path, [])
+            if depth + 1 < len(stack):
+                key: tuple = ("in", stack[depth + 1])
+                if not seen or seen[-1] != key:
+                    seen.append(key)
+                continue
+            local = position.setdefault(path, {})
+
+            def ref(arg: fx.Node, local: dict = local) -> tuple:
+                return ("node", local.get(arg, "outside"))
+
+            if drops_nothing(node):  # one computation in either mode
+                key = ("drops nothing", fx.node.map_arg(node.args[0], ref))
+            elif node.op == "get_attr":
+                key = ("get_attr",)
+            else:
+                key = (node.op, node.target, _comparable(fx.node.map_arg(
+                    (node.args, node.kwargs), ref)))
+            local[node] = len(local)
+            seen.append(key)
+    return ops
+
+
+def _comparable(value: Any) -> Any:
+    """``value`` with tensors (which do not compare as one bool) read as their shape and dtype."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return tuple(_comparable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _comparable(v)) for k, v in value.items())
+    return value
 
 
 def install_eval_graph(gm: fx.GraphModule, eval_graph: fx.Graph) -> None:

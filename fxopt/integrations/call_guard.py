@@ -23,8 +23,12 @@ graph runs inline does not reach the computation:
   likewise a scalar attribute (a flag, a scale, a size) of a module of another class set anew
   or deleted (``fxopt.core.modules.constant_values``): its ``forward`` may have read it,
   and the graph has what it read built in;
-- a BatchNorm (with running statistics) or a Dropout (p > 0) switched to another mode than the
-  root's (a frozen BatchNorm, Monte Carlo dropout): the graph runs it in the root's mode.
+- a module switched to another mode than the graph that runs it (the root's, or a kept block's,
+  which runs its own eval-mode graph when its flag is off) where its mode matters: a BatchNorm
+  with running statistics or a Dropout (p > 0) (a frozen BatchNorm, Monte Carlo dropout), or a
+  module the capture found to compute differently in the two modes (its forward, or a
+  submodule's, reads ``self.training``: ``fxopt.graph.train_eval.modules_the_mode_changes``):
+  the graph runs it in its own mode.
 
 ``refuse_what_would_not_run`` is the one forward pre-hook ``fxopt.optimize`` registers on the
 module it returns (``guard_calls``, which also records the class name and constants of each
@@ -39,8 +43,8 @@ judged as they are.
 
 Not handled: an attribute of a module of the user's own class that is no scalar (a list, a dict,
 an object) changed in place where the graph runs it inline (the graph keeps what its forward read
-when captured), and another mode for such a module whose ``forward`` reads ``self.training``;
-an attribute of the user's root module (the optimized module is a GraphModule of its own);
+when captured); a ``training`` flag set on one module alone (not by ``.train()``/``.eval()``,
+which switch its submodules too) where only its submodules' operations show the mode; an attribute of the user's root module (the optimized module is a GraphModule of its own);
 process-wide module hooks
 (``register_module_forward_hook``), which belong to no module; a hook added while the forward
 runs; the module ``fxopt.export`` writes, which is plain torch code without this guard.
@@ -75,9 +79,11 @@ def guard_calls(gm: fx.GraphModule) -> None:
     if refuse_what_would_not_run not in forward_pre_hooks(gm):
         gm.register_forward_pre_hook(refuse_what_would_not_run)
     called = called_paths(gm)
-    gm.meta[meta_keys.INLINED] = tuple((path, _class_name(type(sub)), constant_values(sub))
-                                       for path, sub in gm.named_modules()
-                                       if path and path not in called)
+    trace = gm.meta.get(meta_keys.TRACE)
+    moded = frozenset(getattr(trace, "mode_dependent_modules", ()))
+    gm.meta[meta_keys.INLINED] = tuple(
+        (path, _class_name(type(sub)), constant_values(sub), path in moded)
+        for path, sub in gm.named_modules() if path and path not in called)
     gm.meta[meta_keys.CHECKED] = {}  # there from the start: under torch.compile a key added
     #                                   on the first call would recompile the guard
 
@@ -134,13 +140,14 @@ def _refuse_hooks(root: nn.Module) -> None:
                      "torch.no_grad(), where nothing is recomputed")
 
 
-def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str, tuple], ...]
-                            ) -> None:
+def _refuse_changed_modules(root: nn.Module,
+                            inlined: tuple[tuple[str, str, tuple, bool], ...]) -> None:
     """``ConfigError`` when a module the graphs run inline was replaced or removed, has another
-    value of a constant (``constant_values``), or is a BatchNorm or Dropout in another mode
-    than the root's; or when a kept block's constants (``meta_keys.BLOCK_CONSTANTS``) changed."""
-    mode = "train" if root.training else "eval"
-    for path, kind, constants in inlined:
+    value of a constant (``constant_values``), or is in another mode than the graph that runs
+    it while its mode matters (a BatchNorm, a Dropout, or a module whose operations the
+    capture found to differ between the modes); or when a kept block's constants
+    (``meta_keys.BLOCK_CONSTANTS``) changed."""
+    for path, kind, constants, _ in inlined:
         try:
             current = root.get_submodule(path)
         except AttributeError:
@@ -159,17 +166,16 @@ def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str, tupl
         now = dict(constant_values(current))
         if any(now.get(name, UNSET) != value for name, value in constants):
             _refuse_changed_constant(path, current, dict(constants), now)
-        if _reads_its_mode(current) and current.training != root.training:
-            own = "train" if current.training else "eval"
-            raise ConfigError(
-                f"{path} ({type(current).__name__}) is in {own} mode while the module is in "
-                f"{mode} mode: the optimized graph runs it inline, in the module's mode, so its "
-                "own flag would not be read",
-                where=f"{path} ({type(current).__name__})",
-                hint="switch modes on the whole module (module.train() / module.eval()); to "
-                     "train with BatchNorm frozen or dropout on in eval, optimize with "
-                     "capture='fx' (symbolic tracing calls BatchNorm and Dropout modules, which "
-                     "read their own flag)")
+    called = None
+    for path, _, _, mode_matters in inlined:
+        current = root.get_submodule(path)
+        if not (mode_matters or _reads_its_mode(current)):
+            continue
+        called = called_paths(root) if called is None else called
+        runner, runs_in = _graph_running(root, path, called)
+        if runs_in is not None and current.training != runs_in:
+            _refuse_other_mode(path, current, runner, runs_in,
+                               torch_reader=_reads_its_mode(current))
     for path, block in root.named_modules():
         recorded = (block.meta.get(meta_keys.BLOCK_CONSTANTS)
                     if isinstance(block, fx.GraphModule) else None)
@@ -177,6 +183,45 @@ def _refuse_changed_modules(root: nn.Module, inlined: tuple[tuple[str, str, tupl
             now = dict(constant_values(block))
             if now != recorded:
                 _refuse_changed_constant(path, block, recorded, now)
+
+
+def _graph_running(root: nn.Module, path: str, called: frozenset[str]
+                   ) -> tuple[str, bool | None]:
+    """(the path of the module whose graph runs the inlined module at ``path``, that graph's
+    mode): the innermost called module above it, the root or a kept block, which runs its
+    eval-mode graph when its own flag is off. None for the mode under a module called as a
+    plain module (a leaf), whose own ``forward`` then calls its submodules, reading their flags."""
+    parts = path.split(".")
+    for end in range(len(parts) - 1, -1, -1):
+        above = ".".join(parts[:end])
+        if above in called:
+            module = root.get_submodule(above)
+            if above and not isinstance(module, fx.GraphModule):
+                return above, None
+            return above, module.training
+    return "", root.training
+
+
+def _refuse_other_mode(path: str, module: nn.Module, runner: str, runs_in: bool,
+                       *, torch_reader: bool) -> None:
+    cls = type(module).__name__
+    own, graph = ("train" if module.training else "eval"), ("train" if runs_in else "eval")
+    whose = (f"the module is in {graph} mode: the optimized graph runs it inline, in the "
+             "module's mode" if not runner else
+             f"{runner}, a block the optimized graph calls, is in {graph} mode: the block's "
+             "graph runs it inline, in the block's mode")
+    why = ("so its own flag would not be read" if torch_reader else
+           "and what it computes depends on the mode: fxopt.optimize traced it in both and its "
+           "operations differ (its forward, or a module's under it, reads self.training)")
+    raise ConfigError(
+        f"{path} ({cls}) is in {own} mode while {whose}, {why}",
+        where=f"{path} ({cls})",
+        hint="switch modes on the whole module (module.train() / module.eval()) or on a block "
+             f"fxopt.blocks(module) lists; to run {path} in a mode of its own, optimize with "
+             f"it kept as a call, leaf_modules=({path!r},)"
+             + ("; to train with BatchNorm frozen or dropout on in eval, optimize with "
+                "capture='fx' (symbolic tracing calls BatchNorm and Dropout modules, which read "
+                "their own flag)" if torch_reader else ""))
 
 
 def _refuse_changed_constant(path: str, module: nn.Module, was: dict[str, object],
