@@ -20,12 +20,15 @@ import torch
 from torch import fx, nn
 
 from fxopt.core import meta_keys
+from fxopt.core.dropouts import DROPOUT_MODULES
 from fxopt.core.torch_private import (
     COMPILED_CALL,
     FULL_BACKWARD_HOOK_FLAG,
     GRAPH_MODULE_CONTAINERS,
     RNN_WEIGHT_CACHES,
+    NormBase,
 )
+from fxopt.runtime.module_hooks import CALL_HOOK_DICTS, call_hooks, has_hooks  # noqa: F401
 
 # Every dict or set ``nn.Module.__init__`` gives an instance. On torch 2.14: _parameters,
 # _buffers, _non_persistent_buffers_set, _modules, and 11 hook dicts: forward pre/post hooks and
@@ -35,20 +38,6 @@ MODULE_CONTAINERS: tuple[str, ...] = tuple(
     name for name, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
 HOOK_DICTS: tuple[str, ...] = tuple(name for name in MODULE_CONTAINERS if "hook" in name)
 
-# The hook dicts whose hooks run when the module is called or when gradients flow back through
-# that call, with what to call them in a message. ``*_with_kwargs`` and ``*_always_called`` only
-# mark entries of the dict before them; they are listed so a hook is found whichever dict a
-# future torch keeps it in.
-CALL_HOOK_DICTS: dict[str, str] = {
-    "_forward_pre_hooks": "forward pre-hooks",
-    "_forward_pre_hooks_with_kwargs": "forward pre-hooks",
-    "_forward_hooks": "forward hooks",
-    "_forward_hooks_with_kwargs": "forward hooks",
-    "_forward_hooks_always_called": "forward hooks",
-    "_backward_pre_hooks": "backward pre-hooks",
-    "_backward_hooks": "backward hooks",
-}
-
 # Per-instance containers of torch's own subclasses: GraphModule's (besides its graph, which is
 # copied node by node), and the RNN weight list that ``rnn.weight_ih_l0 = ...`` updates in place.
 _CLASS_CONTAINERS: tuple[tuple[type, tuple[str, ...]], ...] = (
@@ -57,40 +46,6 @@ _CLASS_CONTAINERS: tuple[tuple[type, tuple[str, ...]], ...] = (
 )
 
 
-def call_hooks(module: nn.Module) -> list[str]:
-    """The kinds of hooks ``module`` itself has that run when it is called, e.g. ["forward hooks"].
-
-    Counted: forward pre-hooks and forward hooks (also those registered ``with_kwargs=True`` or
-    ``always_call=True``), backward pre-hooks (``register_full_backward_pre_hook``) and backward
-    hooks (``register_full_backward_hook`` and the legacy ``register_backward_hook``). Not
-    counted: state_dict and load_state_dict hooks, which never see a call; hooks of the module's
-    submodules (ask each); and the process-wide hooks of ``torch.nn.modules.module``
-    (``register_module_forward_hook`` & co.), which belong to no module: they fire on every
-    module call, and fxopt keeps no promise about which module calls exist after tracing (torch.fx
-    already inlines every module it traces through), so they neither stop a pass nor are
-    reported.
-    """
-    kinds: list[str] = []
-    for name, kind in CALL_HOOK_DICTS.items():
-        # A module unpickled from an old torch may lack the newer dicts.
-        if getattr(module, name, None) and kind not in kinds:
-            kinds.append(kind)
-    return kinds
-
-
-def has_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` has hooks that run when it is called; see ``call_hooks``.
-
-    A pass must then keep every call of the module as a call of that module, with the same
-    inputs and outputs: replacing the call (by a functional form), skipping it, or overwriting its
-    inputs or outputs in place would stop the hooks firing, change what they see, or (full
-    backward hooks) make autograd raise.
-    """
-    state = module.__dict__  # plain lookups: the optimized module's call guard asks this of
-    for name in CALL_HOOK_DICTS:  # every submodule on every call
-        if state.get(name):
-            return True
-    return False
 
 
 # The constants of torch.nn modules (``__constants__``) a script may set on a built module without
@@ -164,6 +119,14 @@ def _torch_constants(cls: type) -> tuple[str, ...] | None:
     base = next((c for c in cls.__mro__ if not c.__module__.startswith("torch.distributed.")),
                 cls)
     return settable_constants(base) if base.__module__.startswith("torch.") else None
+
+
+def reads_its_own_mode(module: nn.Module) -> bool:
+    """A torch module whose computation depends on its own ``training`` flag: a norm with running
+    statistics (BatchNorm, InstanceNorm with ``track_running_stats``), a dropout that drops."""
+    if isinstance(module, NormBase):
+        return bool(module.track_running_stats)
+    return isinstance(module, DROPOUT_MODULES) and module.p != 0
 
 
 def hooks_and_signature(root: nn.Module) -> tuple[bool, tuple]:

@@ -96,6 +96,20 @@ def called_paths(module: nn.Module) -> frozenset[str]:
     return frozenset(called)
 
 
+def graph_running(root: nn.Module, path: str, called: frozenset[str]) -> str | None:
+    """The path of the module whose graph runs the module at ``path`` inline (``called`` is
+    ``called_paths(root)``, which ``path`` is not in): the innermost called module above it, the
+    root (``""``) or a kept block, which runs its eval-mode graph when its own flag is off. None
+    when that is a module called as a plain module (a leaf), whose own ``forward`` then calls
+    its submodules, in their own modes."""
+    parts = path.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        above = ".".join(parts[:end])
+        if above in called:
+            return above if isinstance(root.get_submodule(above), fx.GraphModule) else None
+    return ""
+
+
 def recomputed_paths(module: nn.Module) -> frozenset[str]:
     """The paths of the modules a checkpointed region of ``module`` runs again in backward: those
     its recompute graph calls, and the BatchNorm modules it hands to ``recomputed_batch_norm``

@@ -41,13 +41,16 @@ consistent (``meta_keys.CHECKED``: after FSDP2 swaps classes, say), does it read
 the record. The hook itself holds nothing, so deep copies, pickles and loaded checkpoints are
 judged as they are.
 
-Not handled: an attribute of a module of the user's own class that is no scalar (a list, a dict,
-an object) changed in place where the graph runs it inline (the graph keeps what its forward read
-when captured); a ``training`` flag set on one module alone (not by ``.train()``/``.eval()``,
-which switch its submodules too) where only its submodules' operations show the mode; an attribute of the user's root module (the optimized module is a GraphModule of its own);
-process-wide module hooks
-(``register_module_forward_hook``), which belong to no module; a hook added while the forward
-runs; the module ``fxopt.export`` writes, which is plain torch code without this guard.
+The module ``fxopt.export`` writes has a guard of its own, torch-only
+(``fxopt.runtime.inline_guard``): hooks, replaced modules and modes, from the same record.
+
+Not handled: an attribute of a module of the user's own class that is no scalar (a list, a
+dict, an object) changed in place where the graph runs it inline (the graph keeps what its
+forward read when captured); a ``training`` flag set on one module alone (not by
+``.train()``/``.eval()``, which switch its submodules too) where only its submodules'
+operations show the mode; an attribute of the user's root module (the optimized module is a
+GraphModule of its own); process-wide module hooks (``register_module_forward_hook``), which
+belong to no module; a hook added while the forward runs.
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ import torch
 from torch import fx, nn
 
 from fxopt.core import meta_keys
-from fxopt.core.dropouts import DROPOUT_MODULES
 from fxopt.core.errors import ConfigError
 from fxopt.core.modules import (
     UNSET,
@@ -66,10 +68,11 @@ from fxopt.core.modules import (
     constant_values,
     has_hooks,
     hooks_and_signature,
+    reads_its_own_mode,
     settable_constants,
 )
-from fxopt.core.torch_private import BatchNormBase, NormBase, forward_pre_hooks
-from fxopt.graph.graphs import called_paths, recomputed_paths
+from fxopt.core.torch_private import BatchNormBase, forward_pre_hooks
+from fxopt.graph.graphs import called_paths, graph_running, recomputed_paths
 from fxopt.integrations.fsdp import fsdp_module_class, refuse_uncalled_shards
 
 
@@ -169,13 +172,14 @@ def _refuse_changed_modules(root: nn.Module,
     called = None
     for path, _, _, mode_matters in inlined:
         current = root.get_submodule(path)
-        if not (mode_matters or _reads_its_mode(current)):
+        if not (mode_matters or reads_its_own_mode(current)):
             continue
         called = called_paths(root) if called is None else called
-        runner, runs_in = _graph_running(root, path, called)
+        runner = graph_running(root, path, called)
+        runs_in = None if runner is None else root.get_submodule(runner).training
         if runs_in is not None and current.training != runs_in:
             _refuse_other_mode(path, current, runner, runs_in,
-                               torch_reader=_reads_its_mode(current))
+                               torch_reader=reads_its_own_mode(current))
     for path, block in root.named_modules():
         recorded = (block.meta.get(meta_keys.BLOCK_CONSTANTS)
                     if isinstance(block, fx.GraphModule) else None)
@@ -183,23 +187,6 @@ def _refuse_changed_modules(root: nn.Module,
             now = dict(constant_values(block))
             if now != recorded:
                 _refuse_changed_constant(path, block, recorded, now)
-
-
-def _graph_running(root: nn.Module, path: str, called: frozenset[str]
-                   ) -> tuple[str, bool | None]:
-    """(the path of the module whose graph runs the inlined module at ``path``, that graph's
-    mode): the innermost called module above it, the root or a kept block, which runs its
-    eval-mode graph when its own flag is off. None for the mode under a module called as a
-    plain module (a leaf), whose own ``forward`` then calls its submodules, reading their flags."""
-    parts = path.split(".")
-    for end in range(len(parts) - 1, -1, -1):
-        above = ".".join(parts[:end])
-        if above in called:
-            module = root.get_submodule(above)
-            if above and not isinstance(module, fx.GraphModule):
-                return above, None
-            return above, module.training
-    return "", root.training
 
 
 def _refuse_other_mode(path: str, module: nn.Module, runner: str, runs_in: bool,
@@ -260,11 +247,3 @@ def _same_class(module: nn.Module, kind: str) -> bool:
     sharded = fsdp_module_class()
     return (sharded is not None and isinstance(module, sharded)
             and any(_class_name(base) == kind for base in type(module).__bases__))
-
-
-def _reads_its_mode(module: nn.Module) -> bool:
-    """A torch module whose computation depends on its own ``training`` flag: a norm with running
-    statistics (BatchNorm, InstanceNorm with ``track_running_stats``), a dropout that drops."""
-    if isinstance(module, NormBase):
-        return bool(module.track_running_stats)
-    return isinstance(module, DROPOUT_MODULES) and module.p != 0
