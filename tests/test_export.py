@@ -356,3 +356,54 @@ def test_generated_code_imports_public_torch_only_and_checks_the_torch_release(
     monkeypatch.setenv(fxopt.export.codegen.ALLOW_OTHER_TORCH, "1")
     assert load_exported(root / "plain").load() is not None
 
+
+
+def test_the_exported_module_refuses_what_its_code_would_ignore(tmp_path):
+    """The generated code runs most submodules inline (their tensors read by name, in the mode
+    of the code running them): a hook registered on one of those after loading never ran, a
+    module replaced there was never run, and a BatchNorm frozen inside a training block kept
+    using batch statistics, silently. The copied ``fxopt.runtime.inline_guard`` now refuses each
+    before any compute with the copied runtime's ``ConfigError``; a hook on a block the code
+    calls runs, a whole block frozen runs its eval-mode code as the model does, and a deep copy
+    keeps the guard."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model, x = torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 32, 32)
+    gm = fxopt.optimize(model, x, capture="export", memory_budget="min", verify=False,
+                        predict_memory=False)
+    export(gm, tmp_path / "out", example_inputs=(x,))
+    loaded = load_exported(tmp_path / "out").load()
+    source = (tmp_path / "out" / "model.py").read_text()
+    assert "InlineGuard(self, {" in source and "import fxopt" not in source
+
+    def refused(module, match):
+        with pytest.raises(Exception, match=match) as caught:
+            module(x)
+        assert type(caught.value).__name__ == "ConfigError"
+        assert not isinstance(caught.value, fxopt.ConfigError)  # the folder's own copy
+        return caught.value
+
+    handle = loaded.layer4.register_forward_hook(lambda *args: None)
+    error = refused(loaded, "layer4 has forward hooks, but the exported code never calls it")
+    assert error.where == "layer4 (Sequential)"
+    handle.remove()
+    seen = []
+    handle = loaded.layer4[0].register_forward_hook(lambda *args: seen.append(1))
+    loaded(x)
+    assert seen == [1]
+    handle.remove()
+
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(loaded.state_dict())  # the calls above updated running statistics
+    for module in (reference, loaded):
+        module.layer1[0].bn1.eval()
+    refused(loaded, "layer1.0.bn1 is in eval mode while layer1.0, a block the code calls, is in "
+                    "train mode")
+    for module in (reference, loaded):
+        module.layer1[0].eval()
+    torch.testing.assert_close(loaded(x), reference(x))
+
+    copied = copy.deepcopy(loaded)
+    copied.layer1[0].conv1 = nn.Conv2d(64, 64, 3, padding=1, bias=False)
+    refused(copied, "layer1.0.conv1 is a Conv2d now, where fxopt.export wrote a Module")

@@ -18,7 +18,10 @@ to it and the outside modules it imports. The module holds:
   export-captured module (``InputGuard`` from the copied ``fxopt.runtime.input_guard``, raising
   the copied ``fxopt.runtime.errors.InputError``), the scoped graph bodies and the regions
   (``CheckpointedRegion`` from the copied ``fxopt.runtime.regions``); ``forward`` is torch.fx's
-  code generation of the root graph, which calls the blocks as submodules;
+  code generation of the root graph, which calls the blocks as submodules; ``__init__`` ends
+  registering the root's call guard (``InlineGuard`` from the copied
+  ``fxopt.runtime.inline_guard``), which refuses a hook, a replacement or another mode on a
+  module the code runs inline;
 - ``load(map_location)``: the class with ``state_dict.pt`` loaded (``weights_only=True``).
 
 The module imports public torch modules only, and refuses to import (``ImportError`` saying what
@@ -41,8 +44,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxopt.graph.train_eval import dispatch_to_method, eval_graph
+from fxopt.core import meta_keys
 from fxopt.core.errors import ExportError
+from fxopt.core.modules import reads_its_own_mode
+from fxopt.graph.graphs import called_paths, graph_running, recomputed_paths
+from fxopt.graph.train_eval import dispatch_to_method, eval_graph
 from fxopt.export.blocks import (
     graph_modules,
     own_graphs,
@@ -52,6 +58,7 @@ from fxopt.export.blocks import (
 )
 from fxopt.export.module_tree import TreeWriter, called_modules
 from fxopt.export.names import Imports
+from fxopt.runtime.inline_guard import InlineGuard
 from fxopt.runtime.input_guard import InputGuard
 from fxopt.runtime.boxed import boxed_graph
 from fxopt.runtime.regions import CheckpointedRegion
@@ -351,6 +358,27 @@ def _graph_bodies(gm: fx.GraphModule, attributes: dict[str, Any]) -> dict[str, f
     return bodies
 
 
+def _inline_guard(gm: fx.GraphModule, imports: Imports) -> str | None:
+    """The ``__init__`` line registering the root's call guard (``InlineGuard``): the modules the
+    generated code runs inline (none under a module it calls as a plain module, whose own
+    ``forward`` calls its submodules), each with the path of the code that runs it where its mode
+    matters, and the modules its regions recompute. None when there are none."""
+    called = called_paths(gm)
+    trace = gm.meta.get(meta_keys.TRACE)
+    moded = {entry[0] for entry in gm.meta.get(meta_keys.INLINED, ()) if entry[3:4] == (True,)}
+    moded.update(getattr(trace, "mode_dependent_modules", ()))
+    inlined: dict[str, str | None] = {}
+    for path, module in gm.named_modules():
+        runner = None if not path or path in called else graph_running(gm, path, called)
+        if runner is not None:
+            inlined[path] = runner if path in moded or reads_its_own_mode(module) else None
+    recomputed = tuple(sorted(recomputed_paths(gm)))
+    if not inlined and not recomputed:
+        return None
+    guard = imports.reference(InlineGuard, "the call guard")
+    return f"self.register_forward_pre_hook({guard}(self, {inlined!r}, {recomputed!r}))"
+
+
 def generate(gm: fx.GraphModule, class_name: str) -> Generated:
     """The source of ``model.py`` for ``gm`` and what it needs (see the module docstring)."""
     imports = Imports()
@@ -369,6 +397,9 @@ def generate(gm: fx.GraphModule, class_name: str) -> Generated:
     if tree.constants:
         init.append("        _constants = torch.load(_HERE / 'constants.pt', weights_only=True)")
     init += ["        " + line for line in tree.lines]
+    guard = _inline_guard(gm, imports)
+    if guard:
+        init.append("        " + guard)
     needs = f" and {', '.join(imports.needs)}" if imports.needs else ""
     source = "\n".join([
         f'"""{class_name} as optimized by fxopt, written as plain PyTorch (needs torch'
