@@ -362,7 +362,8 @@ def _inline_guard(gm: fx.GraphModule, imports: Imports) -> str | None:
     """The ``__init__`` line registering the root's call guard (``InlineGuard``): the modules the
     generated code runs inline (none under a module it calls as a plain module, whose own
     ``forward`` calls its submodules), each with the path of the code that runs it where its mode
-    matters, and the modules its regions recompute. None when there are none."""
+    matters, and the modules its regions recompute (and those they call). None when there are
+    none."""
     called = called_paths(gm)
     trace = gm.meta.get(meta_keys.TRACE)
     moded = {entry[0] for entry in gm.meta.get(meta_keys.INLINED, ()) if entry[3:4] == (True,)}
@@ -372,7 +373,8 @@ def _inline_guard(gm: fx.GraphModule, imports: Imports) -> str | None:
         runner = None if not path or path in called else graph_running(gm, path, called)
         if runner is not None:
             inlined[path] = runner if path in moded or reads_its_own_mode(module) else None
-    recomputed = tuple(sorted(recomputed_paths(gm)))
+    recomputed = tuple(sorted({path for again in recomputed_paths(gm)  # with what they call
+                               for path, _ in gm.get_submodule(again).named_modules(prefix=again)}))
     if not inlined and not recomputed:
         return None
     guard = imports.reference(InlineGuard, "the call guard")
