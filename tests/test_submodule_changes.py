@@ -443,6 +443,50 @@ def test_modes_change_what_their_own_operations_or_their_calls_do():
     assert modules_the_mode_changes(graphs[0], graphs[0]) == ()
 
 
+class Branching(nn.Module):
+    """Data-dependent control flow: symbolic tracing keeps it as an opaque leaf, a call."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.drop = nn.Linear(8, 8), nn.Dropout(0.0)
+
+    def forward(self, x):
+        y = self.drop(self.inner(x))
+        return torch.tanh(y) if y.sum() > 0 else y
+
+
+class WithOpaqueLeaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.leaf, self.head = nn.Linear(8, 8), Branching(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.leaf(torch.relu(self.fc(x))))
+
+
+def test_what_a_script_does_inside_an_opaque_leaf_takes_effect_as_on_the_model():
+    """A module torch.fx cannot trace is kept as a call: its own forward calls its submodules,
+    so a hook on one of them runs, and a submodule replaced or a constant set there takes
+    effect, as on the user's model. The guard used to refuse each as if the graph ran them
+    inline."""
+    model = seeded(WithOpaqueLeaf)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    slim = fxopt.optimize(model, x, capture="fx", verify=False, predict_memory=False)
+    assert [leaf.path for leaf in slim.fxopt_report.trace.leaves] == ["leaf"]
+    reference = copy.deepcopy(model)
+    seen = []
+    for module in (reference, slim):
+        module.leaf.inner.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    torch.testing.assert_close(slim(x), reference(x))
+    assert len(seen) == 2
+    replacement = seeded(lambda: nn.Linear(8, 8))
+    for module in (reference, slim):
+        module.leaf.inner = copy.deepcopy(replacement)
+        module.leaf.drop.p = 0.5
+        module.eval()
+    torch.testing.assert_close(slim(x), reference(x))
+
+
 def _doubled(module, args, output):
     return output * 2
 

@@ -86,7 +86,8 @@ def guard_calls(gm: fx.GraphModule) -> None:
     moded = frozenset(getattr(trace, "mode_dependent_modules", ()))
     gm.meta[meta_keys.INLINED] = tuple(
         (path, _class_name(type(sub)), constant_values(sub), path in moded)
-        for path, sub in gm.named_modules() if path and path not in called)
+        for path, sub in gm.named_modules()
+        if path and path not in called and graph_running(gm, path, called) is not None)
     gm.meta[meta_keys.CHECKED] = {}  # there from the start: under torch.compile a key added
     #                                   on the first call would recompile the guard
 
@@ -121,7 +122,9 @@ def _refuse_hooks(root: nn.Module) -> None:
         sub = root.get_submodule(where[0])
         kinds = " and ".join(call_hooks(sub))
         name = f"{where[0]} ({type(sub).__name__})"
-        if not called.intersection(where):
+        # under a leaf the graph calls, whose own forward calls it (and runs its hooks)
+        in_leaf = [p for p in where if p not in called and graph_running(root, p, called) is None]
+        if not called.intersection(where) and not in_leaf:
             raise ConfigError(
                 f"{where[0]} has {kinds}, but the optimized module never calls it: its graph "
                 "runs that module's operations inline, so the hooks would never run",
@@ -129,8 +132,10 @@ def _refuse_hooks(root: nn.Module) -> None:
                 hint="register the hooks on your model before fxopt.optimize: fxopt then keeps "
                      "the module as a call (symbolic tracing; torch.export refuses models with "
                      "hooks), and they run as on your model; or remove them (handle.remove())")
-        if (recomputed.intersection(where)
-                and not (sharded is not None and isinstance(sub, sharded))):
+        again = recomputed.intersection(where) or any(
+            ".".join(p.split(".")[:end]) in recomputed for p in in_leaf
+            for end in range(1, p.count(".") + 1))
+        if again and not (sharded is not None and isinstance(sub, sharded)):
             raise ConfigError(
                 f"{where[0]} has {kinds}, and the optimized module recomputes it in backward "
                 "(a checkpointed region runs it again): with grad enabled the hooks would run "
