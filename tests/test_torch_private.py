@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 
 from fxopt.core import torch_private as private
-from fxopt.core.modules import HOOK_DICTS
+from fxopt.core.modules import CALL_HOOK_DICTS, HOOK_DICTS
 from fxopt.runtime.regions import PRIVATE_HEAVY_OPS, PRIVATE_LIGHT_OPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,8 +112,10 @@ MODULE_CONTAINERS = {"_parameters", "_buffers", "_modules", "_non_persistent_buf
                      *HOOK_DICTS}
 # Private names the runtime spells, by module: it cannot import fxopt.core.torch_private (export
 # copies it where fxopt is not installed), so it looks them up by name itself;
-# test_private_aten_ops_the_runtime_keeps_exist checks them.
-RUNTIME_PRIVATE = {"fxopt/runtime/regions.py": {*PRIVATE_HEAVY_OPS, *PRIVATE_LIGHT_OPS}}
+# test_private_aten_ops_the_runtime_keeps_exist and test_the_hook_dicts_the_runtime_names_exist
+# check them.
+RUNTIME_PRIVATE = {"fxopt/runtime/regions.py": {*PRIVATE_HEAVY_OPS, *PRIVATE_LIGHT_OPS},
+                   "fxopt/runtime/module_hooks.py": set(CALL_HOOK_DICTS)}
 _DOTTED_PRIVATE = re.compile(r"\btorch(?:\.\w+)*\._[A-Za-z]\w*")
 _ATTRIBUTE_IN_CODE = re.compile(r"\.(_[A-Za-z]\w*)")
 
@@ -261,6 +263,22 @@ def test_the_scan_sees_each_kind_of_private_use():
 def test_private_aten_ops_the_runtime_keeps_exist():
     """The runtime names these itself (it cannot import the facade): each must still exist."""
     assert all(hasattr(torch.ops.aten, name) for name in (*PRIVATE_HEAVY_OPS, *PRIVATE_LIGHT_OPS))
+
+
+def test_the_hook_dicts_the_runtime_names_exist():
+    """The call guards find hooks by these names (``fxopt.runtime.module_hooks``): each is a
+    container every nn.Module has, and a hook registered each public way lands in one."""
+    assert set(CALL_HOOK_DICTS) <= set(HOOK_DICTS)
+    ways = [lambda m: m.register_forward_pre_hook(lambda *a: None),
+            lambda m: m.register_forward_pre_hook(lambda *a, **k: None, with_kwargs=True),
+            lambda m: m.register_forward_hook(lambda *a: None),
+            lambda m: m.register_forward_hook(lambda *a: None, always_call=True),
+            lambda m: m.register_full_backward_pre_hook(lambda *a: None),
+            lambda m: m.register_full_backward_hook(lambda *a: None)]
+    for register in ways:
+        module = nn.Linear(1, 1)
+        register(module)
+        assert any(vars(module)[name] for name in CALL_HOOK_DICTS)
 
 
 def test_written_arguments_reads_the_schema():

@@ -107,15 +107,10 @@ class InlineGuard:
 
 
 def _signature(root: torch.nn.Module) -> tuple:
-    """Each module's class, mode and whether it has hooks, in a walk of ``_modules``."""
+    """Each module's class, mode and whether it has hooks, in the order of ``modules()``."""
     signature: list = []
-    stack = list(root._modules.values())
-    while stack:
-        module = stack.pop()
-        if module is None:
-            continue
+    for module in root.modules():
         signature += (id(type(module)), module.training, has_hooks(module))
-        stack.extend(module._modules.values())
     return tuple(signature)
 
 
