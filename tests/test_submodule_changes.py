@@ -24,6 +24,7 @@ from torch import nn
 
 import fxopt
 from fxopt import models_zoo
+from fxopt.core import meta_keys
 from fxopt.graph.graphs import called_paths, recomputed_paths
 from helpers import grouped_query_llama, seeded
 
@@ -569,3 +570,52 @@ def test_under_torch_compile_the_guard_compiles_once_and_still_refuses_a_later_h
         for p in slim.parameters():
             p.grad = None
         torch.compiler.reset()
+
+
+def test_the_guard_checks_in_full_only_after_something_it_watches_changed(monkeypatch):
+    """Each call used to walk the whole module tree (x1.047 on the zoo's grouped CNN at a
+    tiny batch, where a CPU step is dispatch-bound as small GPU kernels are launch-bound: issue
+    32's line is 2%). Now a call compares the modules the check depends on with what it last
+    found (none on this CNN, whose graph calls every module) and runs the whole check only
+    when one changed, or in a mode or grad mode not checked before; what it must refuse, it
+    still refuses on the next call."""
+    import sys
+
+    from fxopt.integrations import call_guard
+
+    model, inputs = models_zoo.build("grouped_cnn", 4)
+    slim = fxopt.optimize(model, inputs, memory_budget=1.0, verify=False, predict_memory=False)
+    full = []
+    real = call_guard._refuse_changed_modules
+    monkeypatch.setattr(call_guard, "_refuse_changed_modules",
+                        lambda *args: full.append(1) or real(*args))
+    for _ in range(3):
+        slim(*inputs)
+    assert len(full) == 1
+    with torch.no_grad():
+        slim(*inputs)
+        slim(*inputs)
+    assert len(full) == 2  # another grad mode: checked once
+
+    calls = []
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(count)
+    try:
+        call_guard.refuse_what_would_not_run(slim, inputs)
+    finally:
+        sys.setprofile(None)
+    assert calls == ["refuse_what_would_not_run", "still_as_they_were"], calls
+
+    unet, x = models_zoo.build("unet", 2)  # its graph runs containers inline: watched
+    slim = fxopt.optimize(unet, x, memory_budget=1.0, verify=False, predict_memory=False)
+    slim(*x)
+    inlined = slim.meta[meta_keys.INLINED][0][0]
+    handle = slim.get_submodule(inlined).register_forward_hook(lambda *args: None)
+    with pytest.raises(fxopt.ConfigError, match="never calls it"):
+        slim(*x)
+    handle.remove()
+    slim(*x)

@@ -85,7 +85,7 @@ def constant_values(module: nn.Module) -> tuple[tuple[str, object], ...]:
     if isinstance(module, fx.GraphModule):
         recorded = module.meta.get(meta_keys.BLOCK_CONSTANTS, {})
         return tuple((name, module.__dict__.get(name, UNSET)) for name in recorded)
-    names = _torch_constants(type(module))
+    names = torch_constants(type(module))
     if names is not None:
         return tuple((name, getattr(module, name, None)) for name in names)
     return tuple((name, value) for name, value in module.__dict__.items()
@@ -112,7 +112,7 @@ def _is_scalar(value: object) -> bool:
 
 
 @functools.cache
-def _torch_constants(cls: type) -> tuple[str, ...] | None:
+def torch_constants(cls: type) -> tuple[str, ...] | None:
     """The ``settable_constants`` of a torch class, None for another class. A class FSDP2's
     ``fully_shard`` made counts as the one it made it from (its first base outside
     ``torch.distributed``). Cached: the call guard asks it of every module on every call."""
@@ -149,6 +149,53 @@ def hooks_and_signature(root: nn.Module) -> tuple[bool, tuple]:
     return hooked, tuple(signature)
 
 
+def modules_as_they_are(root: nn.Module, paths: set[str]) -> tuple[tuple, ...]:
+    """A record of the modules at ``paths`` under ``root`` and of every module above them,
+    parents first: (its parent, its name there, the module, its class, its ``training`` flag,
+    whether it has hooks, its ``constant_values``, whether it can have any), for
+    ``still_as_they_were``."""
+    every = set(paths)
+    for path in paths:
+        parts = path.split(".")
+        every.update(".".join(parts[:end]) for end in range(1, len(parts)))
+    every.discard("")
+    record = []
+    for path in sorted(every, key=lambda p: (p.count("."), p)):
+        owner, _, name = path.rpartition(".")
+        parent = root.get_submodule(owner)
+        module = parent._modules.get(name)
+        if module is not None:
+            constants = constant_values(module)
+            record.append((parent, name, module, type(module), module.training,
+                           has_hooks(module), constants,
+                           bool(constants) or isinstance(module, fx.GraphModule)
+                           or torch_constants(type(module)) is None))
+    return tuple(record)
+
+
+def still_as_they_were(record: tuple[tuple, ...]) -> bool:
+    """Whether every module ``modules_as_they_are`` recorded is where it was, of its class, in
+    its mode, with hooks or without as it was, with its constants. ``has_hooks`` is inlined and
+    ``constant_values`` asked only of a module that can have any: the call guard asks this on
+    every call."""
+    for parent, name, module, cls, training, hooked, constants, ask in record:
+        if (parent._modules.get(name) is not module or type(module) is not cls
+                or module.training is not training):
+            return False
+        state = module.__dict__
+        for hook_dict in CALL_HOOK_DICTS:
+            if state.get(hook_dict):
+                if not hooked:
+                    return False
+                break
+        else:
+            if hooked:
+                return False
+        if ask and constant_values(module) != constants:
+            return False
+    return True
+
+
 def copy_hooks(source: nn.Module, target: nn.Module) -> None:
     """Give ``target`` shallow copies of all of ``source``'s hook dicts, replacing its own.
 
@@ -171,6 +218,8 @@ def deepcopy_keeping_hooks(module: fx.GraphModule, memo: dict) -> fx.GraphModule
     function than ``copy.deepcopy(model)``. A block's scalar attributes
     (``meta_keys.BLOCK_CONSTANTS``) are kept too. Install it as the class's ``__deepcopy__``."""
     copied = fx.GraphModule.__deepcopy__(module, memo)
+    if meta_keys.CHECKED in copied.meta:  # the call guard's record of what it last found
+        copied.meta[meta_keys.CHECKED] = {}  # holds modules: the copy is checked afresh
     for name in (*HOOK_DICTS, FULL_BACKWARD_HOOK_FLAG):
         if name in module.__dict__:
             copied.__dict__[name] = copy.deepcopy(module.__dict__[name], memo)

@@ -75,6 +75,12 @@ def keep_state_when_pickled(gm: fx.GraphModule) -> None:
 
 def _reduce_keeping_state(self: fx.GraphModule) -> tuple:
     rebuild, args = fx.GraphModule.__reduce__(self)
+    state = args[0]
+    if isinstance(state, dict) and meta_keys.CHECKED in state.get("meta", {}):
+        # the call guard's record of what it last found holds modules; _reloaded resets it
+        state = {**state, "meta": {k: v for k, v in state["meta"].items()
+                                   if k != meta_keys.CHECKED}}
+        args = (state, *args[1:])
     kept = {name: self.__dict__[name] for name in _KEPT_ATTRIBUTES if name in self.__dict__}
     meta = {key: self.meta[key] for key in _KEPT_META if key in self.meta}
     return _reloaded, (rebuild, args, kept, meta)

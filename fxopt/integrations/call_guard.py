@@ -35,11 +35,13 @@ module it returns (``guard_calls``, which also records the class name and consta
 module run inline, ``meta_keys.INLINED``). It raises ``ConfigError`` naming the module before
 any compute. Hooks registered on the model before ``optimize`` are planned for instead: symbolic
 tracing keeps a hooked module as a call, passes leave it alone and the checkpoint plan keeps it
-out of its regions, so they run once a step as on the user's model. Each call walks the module
-tree for hooks and for a signature of the tree (each module's class, mode and constants); only when a submodule has hooks, or the signature is not the one last found
-consistent (``meta_keys.CHECKED``: after FSDP2 swaps classes, say), does it read the graphs or
-the record. The hook itself holds nothing, so deep copies, pickles and loaded checkpoints are
-judged as they are.
+out of its regions, so they run once a step as on the user's model. A call compares the modules
+the check depends on (those the graphs run inline or recompute, and the modules above them)
+with what it last found consistent in that mode and grad mode (``meta_keys.CHECKED``): where,
+of which class, in which mode, with hooks or not, with which constants; only when one changed
+(after FSDP2 swaps classes, say) does it read the graphs and the record. On a CNN whose graph
+calls every module that is a comparison of nothing. The hook itself holds nothing, and a deep
+copy or a loaded checkpoint starts with no such record, so each is judged as it is.
 
 The module ``fxopt.export`` writes has a guard of its own, torch-only
 (``fxopt.runtime.inline_guard``): hooks, replaced modules and modes, from the same record.
@@ -68,8 +70,10 @@ from fxopt.core.modules import (
     constant_values,
     has_hooks,
     hooks_and_signature,
+    modules_as_they_are,
     reads_its_own_mode,
     settable_constants,
+    still_as_they_were,
 )
 from fxopt.core.torch_private import BatchNormBase, forward_pre_hooks
 from fxopt.graph.graphs import called_paths, graph_running, recomputed_paths
@@ -94,18 +98,43 @@ def guard_calls(gm: fx.GraphModule) -> None:
 
 def refuse_what_would_not_run(module: nn.Module, args: Any) -> None:
     """``ConfigError`` for a shard, hooks, a replaced module or a module in another mode under
-    ``module`` that would not take effect as on the user's model (module docstring)."""
-    refuse_uncalled_shards(module)
-    hooked, signature = hooks_and_signature(module)
-    if hooked:
-        _refuse_hooks(module)
+    ``module`` that would not take effect as on the user's model (module docstring).
+
+    The whole check runs when what it depends on may have changed: a record of the modules it
+    watches (``_watched``: those the graphs run inline or recompute, and the modules above
+    them), found consistent for the module's mode and grad mode, is kept in
+    ``meta_keys.CHECKED``, and a call where none of them changed (``still_as_they_were``)
+    costs a look at each, no more."""
     meta = getattr(module, "meta", None)
-    if isinstance(meta, dict) and meta_keys.INLINED in meta:
-        checked = meta.setdefault(meta_keys.CHECKED, {})
-        if checked.get(module.training) != signature:
-            _refuse_changed_modules(module, meta[meta_keys.INLINED])
-            if not torch.compiler.is_compiling():
-                checked[module.training] = signature
+    if not (isinstance(meta, dict) and meta_keys.INLINED in meta):  # guarded by an old fxopt
+        refuse_uncalled_shards(module)
+        if hooks_and_signature(module)[0]:
+            _refuse_hooks(module)
+        return
+    checked = meta.setdefault(meta_keys.CHECKED, {})
+    key = (module.training, torch.is_grad_enabled())
+    seen = checked.get(key)
+    if seen is not None and seen[0] is module and still_as_they_were(seen[1]):
+        return
+    refuse_uncalled_shards(module)
+    _refuse_hooks(module)
+    _refuse_changed_modules(module, meta[meta_keys.INLINED])
+    if not torch.compiler.is_compiling():
+        checked[key] = (module, _watched(module, meta[meta_keys.INLINED]))
+
+
+def _watched(root: nn.Module, inlined: tuple) -> tuple[tuple, ...]:
+    """What the check depends on, as it is now (``modules_as_they_are``): each module the
+    graphs run inline, each module a region recomputes (and what a recomputed leaf calls), each
+    kept block with constants, and every module above those. Every other module is one the
+    graphs call, whose hooks, mode and constants take effect as on the user's model, wherever
+    it is swapped for another."""
+    paths = {path for path, *_ in inlined}
+    for again in recomputed_paths(root):
+        paths.update(p for p, _ in root.get_submodule(again).named_modules(prefix=again))
+    paths.update(p for p, m in root.named_modules()
+                 if isinstance(m, fx.GraphModule) and m.meta.get(meta_keys.BLOCK_CONSTANTS))
+    return modules_as_they_are(root, paths)
 
 
 def _refuse_hooks(root: nn.Module) -> None:
