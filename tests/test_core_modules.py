@@ -14,7 +14,8 @@ from fxopt.core.modules import (
     copy_hooks,
     constant_values,
     has_hooks,
-    hooks_and_signature,
+    modules_as_they_are,
+    still_as_they_were,
     settable_constants,
     structural_copy,
 )
@@ -306,18 +307,27 @@ class Flagged(nn.Identity):
         self.on = True
 
 
-def test_the_tree_signature_moves_with_a_class_a_mode_or_a_constant_and_hooks_are_seen():
-    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1), nn.BatchNorm1d(2))
-    hooked, signature = hooks_and_signature(model)
-    assert not hooked and hooks_and_signature(model)[1] == signature
-    changes = [lambda: setattr(model[1], "p", 0.2), lambda: model[2].eval(),
+def test_the_record_of_modules_sees_a_class_a_mode_a_constant_or_a_hook_change():
+    """``modules_as_they_are`` / ``still_as_they_were``, what the call guard compares on every
+    call: each change to a recorded module, or to a module above one, is seen; a change to a
+    module it does not record, or to the root itself, is not asked about."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1),
+                          nn.Sequential(nn.BatchNorm1d(2), nn.ReLU()))
+    paths = {"0", "1", "2.0"}
+    record = modules_as_they_are(model, paths)
+    assert [entry[1] for entry in record] == ["0", "1", "2", "0"]  # parents first
+    assert still_as_they_were(record)
+    changes = [lambda: setattr(model[1], "p", 0.2), lambda: model[2][0].eval(),
                lambda: model.__setitem__(0, nn.Identity()),
-               lambda: model.__setitem__(0, Flagged()), lambda: setattr(model[0], "on", False)]
+               lambda: model.__setitem__(0, Flagged()), lambda: setattr(model[0], "on", False),
+               lambda: model[2].register_forward_pre_hook(lambda *a: None),
+               lambda: model.__setitem__(2, nn.Sequential(nn.BatchNorm1d(2), nn.ReLU()))]
     for change in changes:
         change()
-        assert hooks_and_signature(model)[1] != signature
-        signature = hooks_and_signature(model)[1]
+        assert not still_as_they_were(record)
+        record = modules_as_they_are(model, paths)
+        assert still_as_they_were(record)
     model.register_forward_hook(lambda *a: None)  # the root's own: not asked about
-    assert not hooks_and_signature(model)[0]
-    model[1].register_forward_pre_hook(lambda *a: None)
-    assert hooks_and_signature(model)[0]
+    model[2][1].register_forward_hook(lambda *a: None)  # not recorded
+    model[2][1].eval()
+    assert still_as_they_were(record)

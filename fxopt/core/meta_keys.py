@@ -20,7 +20,8 @@ value holds; code uses the constants, never the strings.
   mode changes what it computes (the capture's ``TraceInfo.mode_dependent_modules``) of every
   module its graphs run inline (call none of), as optimize left them; and ``CHECKED``
   (``"fxopt_checked"``): per training mode and grad mode, the modules the call guard last found
-  consistent with them, as they were (emptied on a deep copy, left out of a pickle). Both written and read by ``fxopt.integrations.call_guard``.
+  consistent with them, as they were (emptied on a deep copy, left out of a pickle). Both
+  written and read by ``fxopt.integrations.call_guard``.
 - ``BLOCK_CONSTANTS`` (``"fxopt_block_constants"``): on a block ``fxopt.rewrite.blocks`` kept,
   ``{name: value}`` of the scalar attributes of the module it stands for
   (``fxopt.core.modules.constant_values``), which the block holds too and its graph has built

@@ -46,8 +46,6 @@ _CLASS_CONTAINERS: tuple[tuple[type, tuple[str, ...]], ...] = (
 )
 
 
-
-
 # The constants of torch.nn modules (``__constants__``) a script may set on a built module without
 # touching its parameters; the others (sizes, strides, ``affine``) come with the parameters.
 _SETTABLE_CONSTANTS = frozenset({
@@ -127,26 +125,6 @@ def reads_its_own_mode(module: nn.Module) -> bool:
     if isinstance(module, NormBase):
         return bool(module.track_running_stats)
     return isinstance(module, DROPOUT_MODULES) and module.p != 0
-
-
-def hooks_and_signature(root: nn.Module) -> tuple[bool, tuple]:
-    """(whether a module under ``root`` has hooks that run when it is called, a signature of the
-    tree under ``root``: each module's class, ``training`` flag and ``constant_values``, in the
-    order of a walk of ``_modules``). ``root``'s own hooks are not asked about. Cheaper than
-    ``named_modules``, which builds every path: the optimized module's call guard runs it on
-    every call."""
-    hooked, signature = False, []
-    stack = list(root._modules.values())
-    while stack:
-        module = stack.pop()
-        if module is None:  # register_module(name, None) is allowed
-            continue
-        hooked = hooked or has_hooks(module)
-        signature.append(id(type(module)))
-        signature.append(module.training)
-        signature.append(constant_values(module))
-        stack.extend(module._modules.values())
-    return hooked, tuple(signature)
 
 
 def modules_as_they_are(root: nn.Module, paths: set[str]) -> tuple[tuple, ...]:

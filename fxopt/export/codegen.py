@@ -47,7 +47,7 @@ from torch import fx, nn
 from fxopt.core import meta_keys
 from fxopt.core.errors import ExportError
 from fxopt.core.modules import reads_its_own_mode
-from fxopt.graph.graphs import called_paths, graph_running, recomputed_paths
+from fxopt.graph.graphs import inlined_paths, recomputed_with_what_they_call
 from fxopt.graph.train_eval import dispatch_to_method, eval_graph
 from fxopt.export.blocks import (
     graph_modules,
@@ -364,17 +364,12 @@ def _inline_guard(gm: fx.GraphModule, imports: Imports) -> str | None:
     ``forward`` calls its submodules), each with the path of the code that runs it where its mode
     matters, and the modules its regions recompute (and those they call). None when there are
     none."""
-    called = called_paths(gm)
     trace = gm.meta.get(meta_keys.TRACE)
     moded = {entry[0] for entry in gm.meta.get(meta_keys.INLINED, ()) if entry[3:4] == (True,)}
     moded.update(getattr(trace, "mode_dependent_modules", ()))
-    inlined: dict[str, str | None] = {}
-    for path, module in gm.named_modules():
-        runner = None if not path or path in called else graph_running(gm, path, called)
-        if runner is not None:
-            inlined[path] = runner if path in moded or reads_its_own_mode(module) else None
-    recomputed = tuple(sorted({path for again in recomputed_paths(gm)  # with what they call
-                               for path, _ in gm.get_submodule(again).named_modules(prefix=again)}))
+    inlined = {path: runner if path in moded or reads_its_own_mode(gm.get_submodule(path))
+               else None for path, runner in inlined_paths(gm).items()}
+    recomputed = tuple(sorted(recomputed_with_what_they_call(gm)))
     if not inlined and not recomputed:
         return None
     guard = imports.reference(InlineGuard, "the call guard")

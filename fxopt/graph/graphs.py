@@ -110,6 +110,22 @@ def graph_running(root: nn.Module, path: str, called: frozenset[str]) -> str | N
     return ""
 
 
+def inlined_paths(root: nn.Module) -> dict[str, str]:
+    """path -> ``graph_running`` of every module ``root``'s graphs run inline: all but those
+    called and those under a module called as a plain module (whose own ``forward`` runs them)."""
+    called = called_paths(root)
+    running = {path: graph_running(root, path, called) for path, _ in root.named_modules()
+               if path and path not in called}
+    return {path: runner for path, runner in running.items() if runner is not None}
+
+
+def recomputed_with_what_they_call(root: nn.Module) -> frozenset[str]:
+    """``recomputed_paths`` and every module under each: a region that runs a leaf again runs
+    what the leaf's own ``forward`` calls again too."""
+    return frozenset(path for again in recomputed_paths(root)
+                     for path, _ in root.get_submodule(again).named_modules(prefix=again))
+
+
 def recomputed_paths(module: nn.Module) -> frozenset[str]:
     """The paths of the modules a checkpointed region of ``module`` runs again in backward: those
     its recompute graph calls, and the BatchNorm modules it hands to ``recomputed_batch_norm``

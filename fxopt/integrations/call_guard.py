@@ -69,14 +69,19 @@ from fxopt.core.modules import (
     call_hooks,
     constant_values,
     has_hooks,
-    hooks_and_signature,
     modules_as_they_are,
     reads_its_own_mode,
     settable_constants,
     still_as_they_were,
 )
 from fxopt.core.torch_private import BatchNormBase, forward_pre_hooks
-from fxopt.graph.graphs import called_paths, graph_running, recomputed_paths
+from fxopt.graph.graphs import (
+    called_paths,
+    graph_running,
+    inlined_paths,
+    recomputed_paths,
+    recomputed_with_what_they_call,
+)
 from fxopt.integrations.fsdp import fsdp_module_class, refuse_uncalled_shards
 
 
@@ -85,13 +90,11 @@ def guard_calls(gm: fx.GraphModule) -> None:
     one), and record the classes of the modules its graphs run inline."""
     if refuse_what_would_not_run not in forward_pre_hooks(gm):
         gm.register_forward_pre_hook(refuse_what_would_not_run)
-    called = called_paths(gm)
     trace = gm.meta.get(meta_keys.TRACE)
     moded = frozenset(getattr(trace, "mode_dependent_modules", ()))
     gm.meta[meta_keys.INLINED] = tuple(
         (path, _class_name(type(sub)), constant_values(sub), path in moded)
-        for path, sub in gm.named_modules()
-        if path and path not in called and graph_running(gm, path, called) is not None)
+        for path, sub in ((p, gm.get_submodule(p)) for p in inlined_paths(gm)))
     gm.meta[meta_keys.CHECKED] = {}  # there from the start: under torch.compile a key added
     #                                   on the first call would recompile the guard
 
@@ -108,8 +111,7 @@ def refuse_what_would_not_run(module: nn.Module, args: Any) -> None:
     meta = getattr(module, "meta", None)
     if not (isinstance(meta, dict) and meta_keys.INLINED in meta):  # guarded by an old fxopt
         refuse_uncalled_shards(module)
-        if hooks_and_signature(module)[0]:
-            _refuse_hooks(module)
+        _refuse_hooks(module)
         return
     checked = meta.setdefault(meta_keys.CHECKED, {})
     key = (module.training, torch.is_grad_enabled())
@@ -129,9 +131,7 @@ def _watched(root: nn.Module, inlined: tuple) -> tuple[tuple, ...]:
     kept block with constants, and every module above those. Every other module is one the
     graphs call, whose hooks, mode and constants take effect as on the user's model, wherever
     it is swapped for another."""
-    paths = {path for path, *_ in inlined}
-    for again in recomputed_paths(root):
-        paths.update(p for p, _ in root.get_submodule(again).named_modules(prefix=again))
+    paths = {path for path, *_ in inlined} | recomputed_with_what_they_call(root)
     paths.update(p for p, m in root.named_modules()
                  if isinstance(m, fx.GraphModule) and m.meta.get(meta_keys.BLOCK_CONSTANTS))
     return modules_as_they_are(root, paths)
