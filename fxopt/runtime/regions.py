@@ -400,7 +400,15 @@ def _boxed_forward(body: torch.nn.Module) -> Callable[[Any, list], Any] | None:
     cached = _BOXED.get(body)
     if cached is not None and cached[0] is code:
         return cached[1]
-    generated = boxed_graph(graph).python_code("self")
+    boxed = boxed_graph(graph)
+    # Code for a graph that calls functions registered with ``torch.fx.wrap`` begins by
+    # registering them again, for a later symbolic trace of the code (never, for this one), and
+    # torch.fx.wrap holds its own frame and so every frame below it: run here, in the middle of
+    # a forward, that reference cycle kept the forward's tensors alive until the next garbage
+    # collection. The body's own code has registered them already.
+    for node in boxed.nodes:
+        node.meta.pop("is_wrapped", None)
+    generated = boxed.python_code("self")
     namespace = dict(generated.globals)
     exec(compile(generated.src, f"<fxopt boxed region body {type(body).__name__}>", "exec"),
          namespace)
