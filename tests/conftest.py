@@ -1,5 +1,6 @@
-"""pytest configuration: hypothesis profiles, chosen with FXOPT_HYPOTHESIS_PROFILE, and a check
-that no test leaves global torch state behind for the tests after it.
+"""pytest configuration: hypothesis profiles, chosen with FXOPT_HYPOTHESIS_PROFILE, the order in
+which files reach pytest-xdist's workers (longest first), and a check that no test leaves global
+torch state behind for the tests after it.
 
 - ``ci`` (default): reproducible (``derandomize=True``), no deadline (optimize() traces, plans
   and verifies: seconds, not milliseconds), sized to keep tests/test_fuzz.py within its 90 s.
@@ -7,7 +8,10 @@ that no test leaves global torch state behind for the tests after it.
 - ``dev``: a handful of examples, for quick iterations on a property.
 """
 
+import gc
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +42,54 @@ def _share_the_cores_between_workers() -> None:
 
 
 _share_the_cores_between_workers()
+
+
+def _collect_garbage_less_often() -> None:
+    """Python's collector runs a full collection (every object the process holds) after every
+    ten of its middle generation's; with torch, transformers and sympy imported that is millions
+    of objects and 0.3-0.5 s a time, and it added up to 13% of two heavy files' run
+    (test_submodule_changes, test_captured: 7.5 s of 55 s, one process, 2026-12-04). With the
+    young generation collected every 10,000 allocations instead of 700 and a full collection
+    after 100 of the middle one's, it took 2.7 s there (with ``pytest_collection_finish``'s
+    freeze). The whole suite, with the files also handed out longest first (below), ran in
+    441 s instead of 733 s on two cores (2026-12-04). What is garbage is still collected, only
+    later; a test that needs a cycle gone calls ``gc.collect()``, as under any thresholds. A
+    prediction that changed with the collector's timing showed fxopt holding tensors in a
+    reference cycle: see
+    tests/test_boxed.py::test_a_regions_first_call_without_grad_leaves_no_cycle_holding_tensors."""
+    gc.set_threshold(10_000, 10, 100)
+
+
+_collect_garbage_less_often()
+
+
+def pytest_collection_finish(session):
+    """What the imports and the test modules made stays for the whole run: moved out of the
+    collector's sight (``gc.freeze``), full collections scan only what the tests make."""
+    gc.collect()
+    gc.freeze()
+
+
+FILE_SECONDS = Path(__file__).parent / "data" / "file_seconds.json"
+
+
+def pytest_configure(config):
+    """``--dist loadfile`` hands out files in collection order (``--no-loadscope-reorder``)
+    rather than by their number of tests, which says little of their time: see
+    ``pytest_collection_modifyitems``."""
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """Files longest first (``tests/data/file_seconds.json``, written by
+    ``benchmarks/suite_durations.py``; a file it does not list counts as short), each file's
+    tests in their own order. A worker that takes the next file when it is free then ends on
+    short ones, and CI's two workers finish together instead of one running the last long
+    file alone."""
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    position = {id(item): index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds.get(item.path.name, 0.0), position[id(item)]))
 
 
 @pytest.fixture(autouse=True)
