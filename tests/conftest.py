@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import collect_garbage_less_often
+
 from hypothesis import HealthCheck, settings
 
 _SLOW_IS_FINE = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
@@ -44,23 +46,7 @@ def _share_the_cores_between_workers() -> None:
 _share_the_cores_between_workers()
 
 
-def _collect_garbage_less_often() -> None:
-    """Python's collector runs a full collection (every object the process holds) after every
-    ten of its middle generation's; with torch, transformers and sympy imported that is millions
-    of objects and 0.3-0.5 s a time, and it added up to 13% of two heavy files' run
-    (test_submodule_changes, test_captured: 7.5 s of 55 s, one process, 2026-12-04). With the
-    young generation collected every 10,000 allocations instead of 700 and a full collection
-    after 100 of the middle one's, it took 2.7 s there (with ``pytest_collection_finish``'s
-    freeze). The whole suite, with the files also handed out longest first (below), ran in
-    441 s instead of 733 s on two cores (2026-12-04). What is garbage is still collected, only
-    later; a test that needs a cycle gone calls ``gc.collect()``, as under any thresholds. A
-    prediction that changed with the collector's timing showed fxopt holding tensors in a
-    reference cycle: see
-    tests/test_boxed.py::test_a_regions_first_call_without_grad_leaves_no_cycle_holding_tensors."""
-    gc.set_threshold(10_000, 10, 100)
-
-
-_collect_garbage_less_often()
+collect_garbage_less_often()
 
 
 def pytest_collection_finish(session):

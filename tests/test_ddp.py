@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxopt
 from fxopt.export.writer import export, load_exported
-from helpers import exit_passed_worker
+from helpers import collect_garbage_less_often, exit_passed_worker
 
 STEPS = 3
 WORLD = 2
@@ -80,6 +80,7 @@ def train(model: nn.Module, rank: int, static_graph: bool = False) -> dict[str, 
 
 def _worker(rank: int, init_file: str, export_dir: str) -> None:
     torch.set_num_threads(1)
+    collect_garbage_less_often()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:

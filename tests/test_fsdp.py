@@ -62,7 +62,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fxopt
 import fxopt.passes as builtin_passes
 from fxopt.bench.sharded import ShardedStep, live_storages, resident_bytes, shard_per_block
-from helpers import exit_passed_worker
+from helpers import collect_garbage_less_often, exit_passed_worker
 from fxopt.models_zoo.transformer import TinyLanguageModel
 
 transformers = pytest.importorskip("transformers")
@@ -315,6 +315,7 @@ def mixed_precision_runs_under_autocast_not_param_dtype() -> None:
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
+    collect_garbage_less_often()
     gc.freeze()  # what the imports made is never garbage: resident_bytes need not scan it
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=300))

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fxopt
 from fxopt.core.errors import ConfigError, InputError
 from fxopt.runtime.fuse import fuse_optimizer
-from helpers import exit_passed_worker
+from helpers import collect_garbage_less_often, exit_passed_worker
 
 STEPS = 3
 WORLD = 2
@@ -108,6 +108,7 @@ def _check_refusals(rank: int) -> None:
 
 def _worker(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
+    collect_garbage_less_often()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
