@@ -2,7 +2,7 @@
 
 import sys
 
-from fxopt.cli.commands import main
+from fxopt.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

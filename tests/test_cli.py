@@ -299,6 +299,27 @@ def test_dtype_choices_match_the_loader():
     assert sorted(dtype_action.choices) == sorted(DTYPES)
 
 
+def test_the_console_entry_sets_its_process_collector_and_the_command_function_does_not():
+    """``fxopt.cli.main`` (the console script, ``python -m fxopt``) owns its process and
+    collects garbage less often; ``fxopt.cli.commands.main``, for a caller's own process, leaves
+    the collector as the caller set it."""
+    import gc
+
+    from fxopt.cli import main as console
+
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        with pytest.raises(SystemExit):
+            cli.main(["--help"])
+        assert gc.get_threshold() == (700, 10, 10)
+        with pytest.raises(SystemExit):
+            console(["--help"])
+        assert gc.get_threshold() == (10_000, 10, 100)
+    finally:
+        gc.set_threshold(*saved)
+
+
 def test_entry_points_as_subprocesses(tmp_path):
     """The console script and ``python -m fxopt``, one process per subcommand: exit codes, JSON
     on stdout, one-block errors, and no progress bar when piped. (A process costs seconds of

@@ -119,7 +119,7 @@ def test_a_56m_parameter_llama_shows_progress_within_2_seconds(monkeypatch):
 
 
 def test_cli_progress_flag_tells_phases_in_a_pipe(capsys, monkeypatch):
-    from fxopt.cli import main
+    from fxopt.cli.commands import main
 
     monkeypatch.delenv(progress.ENVIRONMENT, raising=False)
     assert main(["optimize", "zoo:mlp", "--repeats", "1", "--progress"]) == 0
