@@ -29,8 +29,9 @@ def collect_garbage_less_often() -> None:
     suite ran in 441 s instead of 733 s on two cores (2026-12-04; the spawned ranks of
     tests/test_fsdp.py and the DDP tests kept the defaults then). Garbage is still collected,
     only later; a test that needs a cycle gone calls ``gc.collect()``, as under any thresholds.
-    Called by tests/conftest.py and by the processes the distributed tests spawn. A prediction
-    that changed with the collector's timing showed fxopt holding tensors in a reference cycle:
+    Called by tests/conftest.py and in the Python processes tests spawn (the distributed
+    tests' ranks, test_plan_determinism's). A prediction that changed with the collector's
+    timing showed fxopt holding tensors in a reference cycle:
     tests/test_boxed.py::test_a_regions_first_call_without_grad_leaves_no_cycle_holding_tensors.
     """
     gc.set_threshold(10_000, 10, 100)
