@@ -18,9 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     process of its own, whose garbage collector it sets for a run of torch and fxopt: the young
     generation collected every 10,000 allocations instead of 700 and a full collection after
     100 of the middle generation's instead of 10. A full collection scans every object the
-    process holds (torch's are millions); with Python's defaults they took 14-25% of
-    ``optimize`` on the README's U-Net and a 4-layer Llama in a fresh process, 8-9% with these
-    (one CPU thread, 2026-12-04). To run a command inside your own process, call
+    process holds (torch's are millions); with Python's defaults the collector took 20% of an
+    ``optimize`` call on the README's U-Net and 9% on a 4-layer Llama in a fresh process, 5% and
+    3% with these, and the README's main job 6.7-6.9 s instead of 7.0-7.8 s (one CPU thread,
+    alternated, 2026-12-04). To run a command inside your own process, call
     ``fxopt.cli.commands.main``, which leaves the collector as it is."""
     gc.set_threshold(10_000, 10, 100)
     from fxopt.cli.commands import main as run
