@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import collect_garbage_less_often
-
 from hypothesis import HealthCheck, settings
+
+from fxopt.cli import collect_garbage_less_often
 
 _SLOW_IS_FINE = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
@@ -46,6 +46,15 @@ def _share_the_cores_between_workers() -> None:
 _share_the_cores_between_workers()
 
 
+# With Python's defaults, full collections (0.3-0.5 s each in a worker that holds torch,
+# transformers and sympy) were 13% of two heavy files' run (test_captured and
+# test_submodule_changes: 7.5 s of 55 s in one process), 2.7 s with these thresholds and the freeze
+# below. With both, and the files handed out longest first, the suite ran in 441 s instead of
+# 733 s on two cores (2026-12-04). A test that needs a cycle gone calls gc.collect(), as under
+# any thresholds. The processes tests spawn (the distributed tests' ranks,
+# test_plan_determinism's) call it too. A prediction that changed with the collector's timing
+# showed fxopt holding tensors in a reference cycle:
+# tests/test_boxed.py::test_a_regions_first_call_without_grad_leaves_no_cycle_holding_tensors
 collect_garbage_less_often()
 
 

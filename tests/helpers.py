@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from typing import Any
@@ -16,25 +15,6 @@ from fxopt.measure.peaks import measure_train_step
 from fxopt.rewrite.invariants import graph_problems, snapshot
 from fxopt.rewrite.pass_base import PassResult
 from fxopt.verify.equivalence import verify
-
-
-def collect_garbage_less_often() -> None:
-    """Fewer collections in a test process: the young generation every 10,000 allocations
-    instead of 700, a full collection after 100 of the middle one's instead of 10.
-
-    A full collection scans every object the process holds, with torch, transformers and sympy
-    imported millions of them, 0.3-0.5 s a time: 13% of two heavy files' run (test_captured,
-    test_submodule_changes: 7.5 s of 55 s in one process) and 2.7 s with these thresholds and
-    the freeze of tests/conftest.py. With both, and the files handed out longest first, the
-    suite ran in 441 s instead of 733 s on two cores (2026-12-04; the spawned ranks of
-    tests/test_fsdp.py and the DDP tests kept the defaults then). Garbage is still collected,
-    only later; a test that needs a cycle gone calls ``gc.collect()``, as under any thresholds.
-    Called by tests/conftest.py and in the Python processes tests spawn (the distributed
-    tests' ranks, test_plan_determinism's). A prediction that changed with the collector's
-    timing showed fxopt holding tensors in a reference cycle:
-    tests/test_boxed.py::test_a_regions_first_call_without_grad_leaves_no_cycle_holding_tensors.
-    """
-    gc.set_threshold(10_000, 10, 100)
 
 
 def _describe_target(gm: fx.GraphModule, node: fx.Node) -> str:

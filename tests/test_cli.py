@@ -305,7 +305,7 @@ def test_the_console_entry_sets_its_process_collector_and_the_command_function_d
     the collector as the caller set it."""
     import gc
 
-    from fxopt.cli import main as console
+    from fxopt.cli import THRESHOLDS, main as console
 
     saved = gc.get_threshold()
     try:
@@ -315,7 +315,7 @@ def test_the_console_entry_sets_its_process_collector_and_the_command_function_d
         assert gc.get_threshold() == (700, 10, 10)
         with pytest.raises(SystemExit):
             console(["--help"])
-        assert gc.get_threshold() == (10_000, 10, 100)
+        assert gc.get_threshold() == THRESHOLDS != (700, 10, 10)
     finally:
         gc.set_threshold(*saved)
 

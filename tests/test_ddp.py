@@ -30,7 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxopt
 from fxopt.export.writer import export, load_exported
-from helpers import collect_garbage_less_often, exit_passed_worker
+from fxopt.cli import collect_garbage_less_often
+from helpers import exit_passed_worker
 
 STEPS = 3
 WORLD = 2

@@ -62,7 +62,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fxopt
 import fxopt.passes as builtin_passes
 from fxopt.bench.sharded import ShardedStep, live_storages, resident_bytes, shard_per_block
-from helpers import collect_garbage_less_often, exit_passed_worker
+from fxopt.cli import collect_garbage_less_often
+from helpers import exit_passed_worker
 from fxopt.models_zoo.transformer import TinyLanguageModel
 
 transformers = pytest.importorskip("transformers")

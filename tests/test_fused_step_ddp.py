@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fxopt
 from fxopt.core.errors import ConfigError, InputError
 from fxopt.runtime.fuse import fuse_optimizer
-from helpers import collect_garbage_less_often, exit_passed_worker
+from fxopt.cli import collect_garbage_less_often
+from helpers import exit_passed_worker
 
 STEPS = 3
 WORLD = 2

@@ -20,7 +20,7 @@ import json, sys
 import torch
 torch.set_num_threads(1)
 sys.path.insert(0, {tests!r})
-from helpers import collect_garbage_less_often
+from fxopt.cli import collect_garbage_less_often
 collect_garbage_less_often()
 from test_export_frontend import GPT, VOCAB
 from fxopt.capture.export_frontend import capture_with_export
