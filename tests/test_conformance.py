@@ -350,6 +350,28 @@ def test_state_dict_round_trip_through_torch_save(pair):
     _assert_same_step(slim, model, inputs)
 
 
+def test_the_module_and_a_deep_copy_of_it_pickle_alike(pair):
+    """``torch.save`` of the optimized module, and of a deep copy of it (a best model kept with
+    ``copy.deepcopy``), either loads as a module that computes the model's training step, or is
+    refused by fxopt's ``ExportError``, the same way for both. A deep copy of a torch.export
+    capture saved, and its torch.load raised torch.fx's NotImplementedError: GraphModule's copy
+    takes its re-tracing class from the graph, which did not carry fxopt's."""
+    model, slim, inputs = _copies(pair)
+    outcomes = []
+    for module in (slim, copy.deepcopy(slim)):
+        buffer = io.BytesIO()
+        try:
+            torch.save(module, buffer)
+        except fxopt.ExportError:
+            outcomes.append("refused")
+            continue
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        _assert_same_step(loaded, copy.deepcopy(model), inputs)
+        outcomes.append("loaded")
+    assert outcomes[0] == outcomes[1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16],
                          ids=["float64", "bfloat16", "float16"])
 def test_a_dtype_change(pair, dtype, request):

@@ -227,14 +227,18 @@ def _plain_attributes_stay_plain(source: nn.Module, copied: nn.Module) -> None:
 
 def carry_instance_methods(source: fx.GraphModule, copied: fx.GraphModule) -> None:
     """Give ``copied`` what ``set_instance_method`` set on ``source``'s own class: fx makes the
-    copy a class of its own, derived from GraphModule rather than from ``source``'s class, and
-    the copy's copies must keep what that class overrides (keeping hooks on a deep copy, the eval
-    graph's attributes, refusing pickling)."""
+    copy a class of its own, derived from GraphModule (or from the first class of ``source``'s
+    that is no per-instance one: ``PretrainedInterface``) rather than from ``source``'s class,
+    and the copy's copies must keep what that class overrides (keeping hooks on a deep copy, the
+    eval graph's attributes, refusing pickling). Each method is taken from the first class of
+    ``source``'s that defines it, unless the copy's class inherits it from there anyway."""
     if type(copied) is type(source):
         return
+    kept = set(type(copied).__mro__)  # what the copy's class derives from, it inherits
     for name in _PER_INSTANCE_CLASS_METHODS:
-        if name in vars(type(source)):
-            setattr(type(copied), name, vars(type(source))[name])
+        owner = next(cls for cls in type(source).__mro__ if name in vars(cls))
+        if owner not in kept:  # a class of the source's own, or one derived from it (the
+            setattr(type(copied), name, vars(owner)[name])  # Hugging Face interface's base)
 
 
 # What fxopt sets on a GraphModule's own class (``deepcopy_keeping_hooks``, the eval-mode

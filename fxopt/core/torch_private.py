@@ -86,8 +86,11 @@ def tracer_class(gm: Any) -> type | None:
 
 
 def set_tracer_class(gm: Any, tracer: type) -> None:
-    """Have torch.fx re-trace ``gm``'s code with ``tracer`` when it is unpickled."""
+    """Have torch.fx re-trace ``gm``'s code with ``tracer`` when it is unpickled; its graph
+    carries the class too, which is where ``GraphModule.__init__`` (so a deep copy) takes it
+    from."""
     gm._tracer_cls = tracer
+    gm.graph._tracer_cls = tracer
 
 
 def tensor_version(t: torch.Tensor) -> int:
