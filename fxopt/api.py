@@ -28,7 +28,7 @@ from fxopt.core import meta_keys
 from fxopt.core.errors import BudgetError, EquivalenceError, InputError
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
-from fxopt.core.modules import structural_copy, wrap_own_calls
+from fxopt.core.modules import carry_constants, structural_copy, wrap_own_calls
 from fxopt.core import progress
 from fxopt.integrations.hf_trainer import keep_pretrained_interface, tell_about_trainer_checkpoints
 from fxopt.core.state import preserved_state
@@ -232,7 +232,8 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
     if wrap_own_calls(gm.graph):  # the calls passes added stay calls when torch.load re-traces
         gm.recompile()
     refuse_pickling(gm)  # a pass may have rebuilt the module
-    keep_pretrained_interface(gm, model)  # what trainers read off a Hugging Face model
+    keep_pretrained_interface(gm, model, args)  # what trainers read off a Hugging Face model
+    carry_constants(model, gm)  # the root's scalar attributes, readable and guarded
     guard_calls(gm)  # records the module as returned; verification's calls then pass through it
     if verify:
         with clock("verify"):

@@ -26,7 +26,7 @@ import fxopt
 from fxopt import models_zoo
 from fxopt.core import meta_keys
 from fxopt.graph.graphs import called_paths, recomputed_paths
-from helpers import grouped_query_llama, seeded
+from helpers import FailAt, grouped_query_llama, seeded
 
 X = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
 
@@ -330,6 +330,56 @@ def test_a_scale_or_flag_set_after_optimize_on_a_module_of_the_users_class_is_re
     copied.body[1].scale = 2.0
     with pytest.raises(fxopt.ConfigError, match="body.1.scale is 2.0 now"):
         copied(x)
+
+
+class ScaledRoot(nn.Module):
+    """A root whose forward reads a scale and a flag of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.temperature, self.centred, self.tags = 2.0, True, ["kept by reference"]
+
+    def forward(self, x):
+        y = self.fc(x) / self.temperature
+        return y - y.mean() if self.centred else y
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_scalar_attribute_of_the_root_reads_as_on_the_model_and_set_anew_is_refused(
+        capture, tmp_path):
+    """The optimized module stands for the user's root: what a script reads off the model
+    (``model.temperature``) it used to answer with an AttributeError, and what a script set on
+    it (``model.temperature = 0.5``) changed the model's results and silently not the graph's,
+    which has the value forward read built in. The root's scalar attributes are now the
+    optimized module's too, and one set anew or deleted is refused before any compute, on a
+    deep copy and after torch.save / torch.load alike; an attribute added is accepted, and a
+    list is not carried (a change inside it would go unseen). The saved module is a deep copy:
+    torch.load of one made by torch.export raised NotImplementedError (the copy re-traced with
+    fx's own tracer, which cannot record the input guard), until the tracer class went with the
+    graph, where GraphModule's copies take it from."""
+    model = seeded(ScaledRoot)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    slim = fxopt.optimize(model, x, capture=capture, verify=False, predict_memory=False)
+    assert (slim.temperature, slim.centred) == (2.0, True) and not hasattr(slim, "tags")
+    slim.epoch = 3
+    torch.testing.assert_close(slim(x), model(x))
+    torch.save(copy.deepcopy(slim), tmp_path / "slim.pt")
+    loaded = torch.load(tmp_path / "slim.pt", weights_only=False)
+    for optimized in (slim, copy.deepcopy(slim), loaded):
+        for name, value, message in [("temperature", 0.5, "temperature is 0.5 now, where "
+                                                          "fxopt.optimize saw 2.0"),
+                                     ("centred", None, "centred is not set now")]:
+            was = getattr(optimized, name)
+            if value is None:
+                delattr(optimized, name)
+            else:
+                setattr(optimized, name, value)
+            with FailAt() as ops, pytest.raises(fxopt.ConfigError, match=message) as caught:
+                optimized(x)
+            assert ops.calls == 0 and caught.value.where == name
+            setattr(optimized, name, was)
+        torch.testing.assert_close(optimized(x), model(x))
 
 
 class Doubling(nn.Module):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import fxopt
+from helpers import FailAt
 from fxopt.integrations.hf_trainer import (
     DELEGATED,
     REFUSED,
@@ -252,6 +253,92 @@ def test_what_trainer_reads_is_the_originals_or_the_live_modules(optimized):
     parameters = inspect.signature(gm.forward).parameters
     assert {"input_ids", "labels", "attention_mask"} <= parameters.keys()
     assert transformers.utils.find_labels(type(gm)) == ["labels"]
+
+
+# What the graph has built in of the config
+
+def batch_ids() -> torch.Tensor:
+    return torch.stack([row["input_ids"] for row in dataset()[:BATCH]])
+
+
+@pytest.mark.parametrize("name, value, shows", [
+    ("output_hidden_states", True, lambda out: out.hidden_states is not None),
+    ("use_cache", True, lambda out: out.past_key_values is not None),
+])
+def test_a_config_field_the_forward_reads_set_anew_is_refused_before_any_compute(
+        optimized, name, value, shows):
+    """The graph computes what the forward computed under the config it was captured with; set
+    anew, the field changes the original's results, so the optimized module's call raises naming
+    it, before any ATen call; put back, the call runs and computes the original's loss."""
+    gm, original, ids = copy.deepcopy(fresh(optimized)), llama(), batch_ids()
+    was = getattr(gm.config, name)
+    setattr(original.config, name, value)
+    assert shows(original(input_ids=ids, labels=ids))
+    setattr(gm.config, name, value)
+    with FailAt() as ops, pytest.raises(fxopt.ConfigError,
+                                        match=rf"config\.{name} of the optimized LlamaForCausalLM "
+                                              rf"is {value!r} now, where .* under {was!r}"):
+        gm(input_ids=ids, labels=ids)
+    assert ops.calls == 0
+    setattr(gm.config, name, was)
+    setattr(original.config, name, was)
+    torch.testing.assert_close(gm(input_ids=ids, labels=ids).loss,
+                               original(input_ids=ids, labels=ids).loss, **LOSS_TOLERANCE)
+
+
+def test_config_fields_no_forward_reads_may_change(optimized, tmp_path):
+    """What Trainer and save_pretrained set: use_cache off, dtype and architectures (written by
+    save_pretrained), and special tokens this causal LM's forward does not read (Trainer aligns
+    them with its tokenizer: the original's loss does not move); a private field is not
+    compared. Each call still computes the original's loss."""
+    gm, original, ids = copy.deepcopy(fresh(optimized)), llama(), batch_ids()
+    expected = original(input_ids=ids, labels=ids).loss
+    original.config.pad_token_id, original.config.eos_token_id = 5, 6
+    torch.testing.assert_close(original(input_ids=ids, labels=ids).loss, expected, rtol=0, atol=0)
+    gm.save_pretrained(tmp_path)
+    gm.config.use_cache = False
+    gm.config.pad_token_id, gm.config.eos_token_id, gm.config.bos_token_id = 5, 6, 7
+    gm.config._fxopt_private_note = "not compared"
+    torch.testing.assert_close(gm(input_ids=ids, labels=ids).loss, expected, **LOSS_TOLERANCE)
+    gm.config.output_hidden_states = True  # still compared after the accepted changes
+    with pytest.raises(fxopt.ConfigError, match=r"config\.output_hidden_states"):
+        gm(input_ids=ids, labels=ids)
+
+
+def test_a_special_token_the_forward_reads_is_refused():
+    """A sequence classifier pools the last token that is not ``pad_token_id``: set anew, it moves
+    the original's logits, so the optimized module refuses the call; the other special tokens,
+    which its forward does not read, may change."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2 * SEQ,
+        use_cache=False, pad_token_id=0, num_labels=2)).train()
+    ids = batch_ids()
+    ids[0, -3:] = 0
+    labels = torch.tensor([0, 1])
+    gm = fxopt.optimize(model, (), example_kwargs={"input_ids": ids, "labels": labels},
+                        verify=False, predict_memory=False)
+    before = model(input_ids=ids, labels=labels).logits
+    gm.config.eos_token_id = 9
+    torch.testing.assert_close(gm(input_ids=ids, labels=labels).logits, before, **LOSS_TOLERANCE)
+    model.config.pad_token_id = gm.config.pad_token_id = 5
+    assert not torch.allclose(model(input_ids=ids, labels=labels).logits, before)
+    with pytest.raises(fxopt.ConfigError, match=r"config\.pad_token_id .* is 5 now"):
+        gm(input_ids=ids, labels=labels)
+
+
+def test_a_copy_and_its_original_check_their_own_configs(optimized):
+    gm = copy.deepcopy(fresh(optimized))
+    copied = copy.deepcopy(gm)
+    copied.config.output_hidden_states = True
+    ids = batch_ids()
+    gm(input_ids=ids, labels=ids)
+    with pytest.raises(fxopt.ConfigError, match="output_hidden_states"):
+        copied(input_ids=ids, labels=ids)
+    gm.config = copy.deepcopy(copied.config)  # a config replaced whole is compared as well
+    with pytest.raises(fxopt.ConfigError, match="output_hidden_states"):
+        gm(input_ids=ids, labels=ids)
 
 
 def test_refused_methods_say_why(optimized, tmp_path):

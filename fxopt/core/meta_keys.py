@@ -23,7 +23,8 @@ value holds; code uses the constants, never the strings.
   consistent with them, as they were (emptied on a deep copy, left out of a pickle). Both
   written and read by ``fxopt.integrations.call_guard``.
 - ``BLOCK_CONSTANTS`` (``"fxopt_block_constants"``): on a block ``fxopt.rewrite.blocks`` kept,
-  ``{name: value}`` of the scalar attributes of the module it stands for
+  and on the optimized module itself, ``{name: value}`` of the scalar attributes of the module
+  it stands for (the user's root, for the optimized module)
   (``fxopt.core.modules.constant_values``), which the block holds too and its graph has built
   in; read by ``constant_values`` and the call guard.
 

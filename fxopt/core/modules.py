@@ -90,6 +90,19 @@ def constant_values(module: nn.Module) -> tuple[tuple[str, object], ...]:
                  if name[0] != "_" and name != "training" and _is_scalar(value))
 
 
+def carry_constants(module: nn.Module, graph_module: fx.GraphModule) -> None:
+    """Give ``graph_module``, which stands for ``module`` (a block ``fxopt.rewrite.blocks`` kept,
+    or the optimized module for the user's root), the ``constant_values`` of ``module`` it has
+    no attribute of, readable on it as on ``module``, and record them
+    (``meta_keys.BLOCK_CONSTANTS``): whatever ``module``'s forward read of them, the graph has
+    built in, so the call guard refuses a call after one of them was set anew or deleted."""
+    constants = {name: value for name, value in constant_values(module)
+                 if not hasattr(graph_module, name)}
+    for name, value in constants.items():
+        object.__setattr__(graph_module, name, value)
+    graph_module.meta[meta_keys.BLOCK_CONSTANTS] = constants
+
+
 class _Unset:
     """What ``constant_values`` reads for a recorded attribute deleted since."""
 

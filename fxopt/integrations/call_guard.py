@@ -22,13 +22,17 @@ graph runs inline does not reach the computation:
   ``momentum``, ``fxopt.core.modules.settable_constants``): the graph has the old value built in;
   likewise a scalar attribute (a flag, a scale, a size) of a module of another class set anew
   or deleted (``fxopt.core.modules.constant_values``): its ``forward`` may have read it,
-  and the graph has what it read built in;
+  and the graph has what it read built in; the user's root's are the optimized module's own
+  (``fxopt.core.modules.carry_constants``), and guarded alike;
 - a module switched to another mode than the graph that runs it (the root's, or a kept block's,
   which runs its own eval-mode graph when its flag is off) where its mode matters: a BatchNorm
   with running statistics or a Dropout (p > 0) (a frozen BatchNorm, Monte Carlo dropout), or a
   module the capture found to compute differently in the two modes (its forward, or a
   submodule's, reads ``self.training``: ``fxopt.graph.train_eval.modules_the_mode_changes``):
-  the graph runs it in its own mode.
+  the graph runs it in its own mode;
+- on a Hugging Face model, a field of ``config`` set anew where a forward reads it
+  (``output_hidden_states``, a sequence classifier's ``pad_token_id``): the graph has the
+  config it was captured under built in (``fxopt.integrations.hf_trainer.refuse_changed_config``).
 
 ``refuse_what_would_not_run`` is the one forward pre-hook ``fxopt.optimize`` registers on the
 module it returns (``guard_calls``, which also records the class name and constants of each
@@ -50,9 +54,11 @@ Not handled: an attribute of a module of the user's own class that is no scalar 
 dict, an object) changed in place where the graph runs it inline (the graph keeps what its
 forward read when captured); a ``training`` flag set on one module alone (not by
 ``.train()``/``.eval()``, which switch its submodules too) where only its submodules'
-operations show the mode; an attribute of the user's root module (the optimized module is a
-GraphModule of its own); process-wide module hooks (``register_module_forward_hook``), which
-belong to no module; a hook added while the forward runs.
+operations show the mode; an attribute of the user's root module that is no scalar (the
+optimized module does not hold it); process-wide module hooks
+(``register_module_forward_hook``), which belong to no module; a hook added while the forward
+runs; a scalar attribute of the user's root refused though its forward never read it (a
+counter a script keeps on the model).
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ from fxopt.graph.graphs import (
     recomputed_with_what_they_call,
 )
 from fxopt.integrations.fsdp import fsdp_module_class, refuse_uncalled_shards
+from fxopt.integrations.hf_trainer import PretrainedInterface, refuse_changed_config
 
 
 def guard_calls(gm: fx.GraphModule) -> None:
@@ -100,14 +107,17 @@ def guard_calls(gm: fx.GraphModule) -> None:
 
 
 def refuse_what_would_not_run(module: nn.Module, args: Any) -> None:
-    """``ConfigError`` for a shard, hooks, a replaced module or a module in another mode under
-    ``module`` that would not take effect as on the user's model (module docstring).
+    """``ConfigError`` for a shard, hooks, a replaced module, a module in another mode under
+    ``module`` or a config field set anew that would not take effect as on the user's model
+    (module docstring).
 
     The whole check runs when what it depends on may have changed: a record of the modules it
     watches (``_watched``: those the graphs run inline or recompute, and the modules above
     them), found consistent for the module's mode and grad mode, is kept in
     ``meta_keys.CHECKED``, and a call where none of them changed (``still_as_they_were``)
     costs a look at each, no more."""
+    if isinstance(module, PretrainedInterface):
+        refuse_changed_config(module)
     meta = getattr(module, "meta", None)
     if not (isinstance(meta, dict) and meta_keys.INLINED in meta):  # guarded by an old fxopt
         refuse_uncalled_shards(module)
@@ -117,7 +127,12 @@ def refuse_what_would_not_run(module: nn.Module, args: Any) -> None:
     key = (module.training, torch.is_grad_enabled())
     seen = checked.get(key)
     if seen is not None and seen[0] is module and still_as_they_were(seen[1]):
-        return
+        own = module.__dict__  # the user's root's constants, which the module holds itself
+        for name, value in meta.get(meta_keys.BLOCK_CONSTANTS, {}).items():
+            if own.get(name, UNSET) != value:
+                break
+        else:
+            return
     refuse_uncalled_shards(module)
     _refuse_hooks(module)
     _refuse_changed_modules(module, meta[meta_keys.INLINED])
@@ -255,14 +270,18 @@ def _refuse_changed_constant(path: str, module: nn.Module, was: dict[str, object
         return repr(values.get(name, UNSET))
 
     cls = type(module).__name__
-    built_in = (f"runs that {cls} inline with {name}={said(was)} built in"
-                if settable_constants(type(module)) else
-                f"runs that {cls} as fxopt.optimize captured it: had its forward read "
-                f"{name}, the value it read then is built in")
+    if not path:  # the optimized module's own, carried from the user's root
+        built_in = (f"runs your model's forward as fxopt.optimize captured it: had it read "
+                    f"{name}, the value it read then is built in")
+    elif settable_constants(type(module)):
+        built_in = f"runs that {cls} inline with {name}={said(was)} built in"
+    else:
+        built_in = (f"runs that {cls} as fxopt.optimize captured it: had its forward read "
+                    f"{name}, the value it read then is built in")
     raise ConfigError(
-        f"{path}.{name} is {said(now)} now, where fxopt.optimize saw {said(was)}: the optimized "
-        f"graph {built_in}",
-        where=f"{path} ({cls})",
+        f"{f'{path}.' if path else ''}{name} is {said(now)} now, where fxopt.optimize saw "
+        f"{said(was)}: the optimized graph {built_in}",
+        where=f"{path} ({cls})" if path else name,
         hint=f"set {name} on your model, then optimize it; or set it back to {said(was)}")
 
 

@@ -12,11 +12,12 @@ original: any other name is an ``AttributeError``, as on any module, so no metho
 ever runs on state the optimized module no longer uses (``tests/test_trainers.py`` checks the
 class defines these names and no others).
 
-Where the answers come from: ``keep_pretrained_interface(gm, model)`` keeps a *stand-in* of the
-original, a structural copy of its module tree whose parameters and buffers are zero-size-cost
-meta tensors, with deep copies of ``config`` and ``generation_config``. It holds no weights and
-no reference to the user's model, so replacing or sharding the optimized module's parameters
-frees the originals. ``save_pretrained`` runs the original class's ``save_pretrained`` on the
+Where the answers come from: ``keep_pretrained_interface(gm, model, args)`` keeps a *stand-in*
+of the original, a structural copy of its module tree whose parameters and buffers are
+zero-size-cost meta tensors, with deep copies of ``config`` and ``generation_config``. It
+holds no weights and no reference to the user's model, so replacing or sharding the optimized
+module's parameters frees the originals. ``refuse_changed_config`` refuses a call after a
+change of the stand-in's config that the graph, captured under the old one, would not follow. ``save_pretrained`` runs the original class's ``save_pretrained`` on the
 stand-in with the optimized module's ``state_dict()`` at the time of the call (the same keys as
 the original's), so what a checkpoint holds is what the optimized module trains with; its
 ``config.json`` names the original class, which therefore loads it with ``from_pretrained``.
@@ -42,22 +43,51 @@ import copy
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from fxopt.core.errors import ConfigError, ExportError, InputError
-from fxopt.core.modules import deepcopy_keeping_hooks, structural_copy
-from fxopt.core.torch_private import MODULE_NAME_METHOD, without_call_wrapper
+from fxopt.core.modules import UNSET, deepcopy_keeping_hooks, structural_copy
+from fxopt.core.torch_private import (
+    MODULE_NAME_METHOD,
+    FakeTensorMode,
+    quiet_fake_tensor_logs,
+    without_call_wrapper,
+)
 
 _STAND_IN = "_fxopt_pretrained"
+# On the stand-in: what ``refuse_changed_config`` compares the config with (``_ConfigSeen``)
+_CONFIG_SEEN = "_fxopt_config_seen"
+
+# Config fields that record where a checkpoint came from, which no forward reads
+# (save_pretrained writes dtype and architectures on the stand-in's config itself).
+_RECORDS = frozenset({"architectures", "dtype", "torch_dtype", "transformers_version",
+                      "name_or_path"})
+
+# The special tokens Trainer aligns with its tokenizer (transformers.trainer_utils
+# .align_special_tokens): read by a sequence classifier's or an encoder-decoder's forward, not by
+# most causal LMs', so compared only where a run of the forward read them.
+_ALIGNED_TOKENS = frozenset({"pad_token_id", "bos_token_id", "eos_token_id"})
+
+
+@dataclass
+class _ConfigSeen:
+    """``captured``: the config's fields when the graph was made; ``agreed``: those a call last
+    found to agree with them; ``unread``: aligned token fields the forward did not read."""
+
+    captured: dict[str, Any]
+    agreed: dict[str, Any]
+    unread: frozenset[str]
 
 # Each name the optimized module of a Hugging Face model answers, and who reads it and why.
 DELEGATED: dict[str, str] = {
     "config": "Trainer reads it and sets config.use_cache; save_pretrained writes it as "
               "config.json (a deep copy of the original's: the user's model is not changed, and "
-              "the graph, captured under the original config, does not read it)",
+              "the graph, captured under the original config, does not read it: a call after "
+              "a field its forward reads changed is refused, refuse_changed_config)",
     "generation_config": "save_pretrained writes it; Trainer aligns its special tokens with the "
                          "tokenizer's (a deep copy of the original's)",
     "main_input_name": "Trainer counts input tokens and floating point operations from it",
@@ -233,21 +263,27 @@ def is_pretrained_model(model: nn.Module) -> bool:
     return pretrained is not None and isinstance(model, pretrained)
 
 
-def keep_pretrained_interface(gm: fx.GraphModule, model: nn.Module) -> None:
+def keep_pretrained_interface(gm: fx.GraphModule, model: nn.Module, args: tuple) -> None:
     """Give ``gm``, the optimized module of ``model``, the interface in DELEGATED and REFUSED when
     ``model`` is a transformers ``PreTrainedModel`` or an optimized one (optimized again); any
     other model is left alone.
 
     ``gm``'s class becomes a subclass of its own class and of ``PretrainedInterface`` (torch.fx
     gives every GraphModule a class of its own), so its forward and anything set on its class
-    stay; deep copies and fxopt's structural copies keep the interface.
+    stay; deep copies and fxopt's structural copies keep the interface. ``args``: the example
+    inputs, bound to forward's parameters (what ``refuse_changed_config`` learns the special
+    tokens' use from).
     """
     if isinstance(gm, PretrainedInterface):
         return
-    if isinstance(model, PretrainedInterface):
+    if isinstance(model, PretrainedInterface):  # its graph still has the first config built in
         stand_in = copy.deepcopy(model._fxopt_stand_in())
     elif is_pretrained_model(model):
         stand_in = _stand_in(model)
+        captured = copy.deepcopy(vars(stand_in.config))
+        read = config_fields_read(model, args)
+        unread = _ALIGNED_TOKENS - read if read is not None else frozenset()
+        stand_in.__dict__[_CONFIG_SEEN] = _ConfigSeen(captured, captured, unread)
     else:
         return
     object.__setattr__(gm, _STAND_IN, stand_in)
@@ -294,6 +330,124 @@ def _match_dtypes(stand_in: nn.Module, state: dict[str, torch.Tensor]) -> None:
             if live is not None and live.dtype != p.dtype:
                 setattr(module, name, nn.Parameter(torch.empty_like(p, dtype=live.dtype),
                                                    requires_grad=p.requires_grad))
+
+
+def refuse_changed_config(gm: nn.Module) -> None:
+    """``ConfigError`` when a field of the ``config`` of the optimized module of a Hugging Face
+    model that its forward may read holds another value than when the graph was captured.
+
+    The graph computes what the forward computed under the config of that time, and never reads
+    the config again: ``output_hidden_states``, ``use_cache``, ``problem_type`` (which loss),
+    ``id2label`` (how many labels), ``pad_token_id`` (which token a sequence classifier pools,
+    what an encoder-decoder shifts its labels with) are built in. The original reads its config
+    on every call, so the same assignment on both would change the original's results only: the
+    call is refused before any compute, naming the field. Which fields a forward reads, the
+    graph does not say, so every public field counts but:
+
+    - those that record a checkpoint's origin (``_RECORDS``; ``save_pretrained`` writes
+      ``dtype`` and ``architectures``);
+    - ``use_cache`` switched off, as ``Trainer`` does: a capture refuses a returned cache, so
+      the graph makes none;
+    - the special tokens ``Trainer`` aligns with its tokenizer (``_ALIGNED_TOKENS``) where a run
+      of the forward on fake tensors did not read them (``config_fields_read``: a causal LM's
+      ``pad_token_id``).
+
+    A private field is compared under the name of the property that stores it
+    (``_output_attentions``), and not at all otherwise (the attention implementation, which
+    computes the same function). A call whose config equals what the last call found to agree
+    costs one comparison of two dicts. Not seen: a change inside an object the config holds
+    that still compares equal to its copy (plain values, lists, dicts and sub-configs compare
+    by value)."""
+    stand_in = gm.__dict__.get(_STAND_IN)
+    seen = None if stand_in is None else stand_in.__dict__.get(_CONFIG_SEEN)
+    if seen is None:
+        return
+    config = stand_in.config
+    now = vars(config)
+    if now == seen.agreed:
+        return
+    read = []
+    for key in sorted(now.keys() | seen.captured.keys()):
+        value, was = now.get(key, UNSET), seen.captured.get(key, UNSET)
+        name = _public_name(type(config), key)
+        if name is None or name in _RECORDS or name in seen.unread or value == was:
+            continue
+        if name == "use_cache" and (value is UNSET or not value):
+            continue
+        read.append((name, was, value))
+    if not read:
+        seen.agreed = copy.deepcopy(now)
+        return
+    name, was, value = read[0]
+    model = type(stand_in).__name__
+    others = f" (and {', '.join(n for n, *_ in read[1:])})" if read[1:] else ""
+    raise ConfigError(
+        f"config.{name}{others} of the optimized {model} is {value!r} now, where fxopt.optimize "
+        f"captured it under {was!r}: the optimized graph computes what the forward computed with "
+        "the config of that time and never reads config again, so the same change would change "
+        "your model's results and not these",
+        where=f"{model}.config.{name}",
+        hint=f"set config.{name} on your model before fxopt.optimize (or pass it to forward in "
+             f"example_kwargs where forward takes it), or set it back to {was!r} here")
+
+
+def config_fields_read(model: nn.Module, args: tuple) -> frozenset[str] | None:
+    """The names ``model``'s forward reads off its configs, found by running it in train and in
+    eval mode on fake tensors shaped like ``args``: a stand-in's copy (``_stand_in``, meta
+    parameters) whose modules hold a recording copy of each config, so the user's model and
+    configs are not touched and no arithmetic runs. None when a run fails (a forward that reads
+    tensor values, which fake tensors do not have): then every field counts as read.
+
+    Not seen: a field read only on another device's branch (``if x.is_cuda``) or only while
+    ``torch.compile`` traces; ``refuse_changed_config`` asks this of the special tokens alone."""
+    probe = _stand_in(model)
+    read: set[str] = set()
+    recording: dict[int, Any] = {}
+    for module in probe.modules():
+        for key, value in list(vars(module).items()):
+            if _is_config(value):
+                if id(value) not in recording:
+                    recording[id(value)] = _recording(value, read)
+                module.__dict__[key] = recording[id(value)]
+    try:
+        with warnings.catch_warnings(), quiet_fake_tensor_logs(), \
+                FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            warnings.simplefilter("ignore")
+            inputs = tuple(fake.from_tensor(torch.empty_like(a, device="meta"))
+                           if isinstance(a, torch.Tensor) else a for a in args)
+            for training in (True, False):
+                probe.train(training)
+                probe(*inputs)
+    except Exception:  # noqa: BLE001 -- any failure only means "unknown": count every field
+        return None
+    return frozenset(read)
+
+
+def _is_config(value: Any) -> bool:
+    transformers = sys.modules.get("transformers")
+    config = getattr(transformers, "PretrainedConfig", None)
+    return config is not None and isinstance(value, config)
+
+
+def _recording(config: Any, read: set[str]) -> Any:
+    """A deep copy of ``config`` of a subclass that adds each name read off it to ``read``."""
+    base = type(config)
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        read.add(name)
+        return base.__getattribute__(self, name)
+
+    copied = copy.deepcopy(config)
+    copied.__class__ = type(base.__name__, (base,), {"__getattribute__": __getattribute__})
+    return copied
+
+
+def _public_name(config_class: type, key: str) -> str | None:
+    """The name a script sets ``key`` of a config's ``__dict__`` by: the key itself, the
+    property a private key stores (``_output_attentions``), or None for another private key."""
+    if not key.startswith("_"):
+        return key
+    return key[1:] if isinstance(getattr(config_class, key[1:], None), property) else None
 
 
 class TrainerCheckpointWarning(UserWarning):

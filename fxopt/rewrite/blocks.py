@@ -47,7 +47,7 @@ from fxopt.graph.train_eval import (
 from fxopt.graph.graphs import graph_module_like
 from fxopt.core import meta_keys
 from fxopt.core.modules import (
-    constant_values,
+    carry_constants,
     own_children,
     own_tensors,
     replace_child,
@@ -232,11 +232,7 @@ def _install_block(gm: fx.GraphModule, train: _Segment, evaluation: _Segment | N
     for name in carried.values():
         shell.__dict__.pop(name, None)
     block.training = shell.training
-    constants = {name: value for name, value in constant_values(shell)
-                 if not hasattr(block, name)}  # what the graph has built in, readable as before
-    for name, value in constants.items():
-        object.__setattr__(block, name, value)
-    block.meta[meta_keys.BLOCK_CONSTANTS] = constants
+    carry_constants(shell, block)
     if evaluation is not None:
         install_eval_graph(block, _block_graph(evaluation, names))
         refuse_pickling(block)
