@@ -372,6 +372,34 @@ def test_the_module_and_a_deep_copy_of_it_pickle_alike(pair):
     assert outcomes[0] == outcomes[1]
 
 
+def test_functional_call_with_backward_after_it(pair):
+    """``torch.func.functional_call(module, tensors, ...)`` swaps ``tensors`` in for the forward
+    only; backward runs after it, as in a meta-learning step. A checkpointed region recomputes
+    in backward, and read what its modules held then (the module's own parameters, as
+    torch.utils.checkpoint does): the gradients of ``tensors`` were wrong on a "min" plan of a
+    symbolic-traced CNN. It recomputes with what they held in the forward now."""
+    model, slim, inputs = _copies(pair)
+    generator = torch.Generator().manual_seed(5)
+    swapped = {name: (p.detach() * 0.5 + 0.01 * torch.randn(p.shape, generator=generator))
+               for name, p in model.named_parameters()}
+    grads = []
+    for module in (model, slim):
+        leaves = {name: t.clone().requires_grad_() for name, t in swapped.items()}
+        torch.manual_seed(0)
+        loss = _loss(torch.func.functional_call(module, leaves, (), inputs))
+        loss.backward()
+        grads.append({name: t.grad for name, t in leaves.items()})
+        assert all(p.grad is None for p in module.parameters())
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[1].items():
+        expected = grads[0][name]
+        assert (grad is None) == (expected is None), name
+        if grad is not None:
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6 + 1e-5 * scale,
+                                       msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16],
                          ids=["float64", "bfloat16", "float16"])
 def test_a_dtype_change(pair, dtype, request):

@@ -278,8 +278,32 @@ def test_backward_twice_full_region_recomputes_selective_region_refuses(model_an
         selective.train()
         loss = selective(x).square().sum()
         torch.autograd.grad(loss, list(selective.parameters()), retain_graph=True)
-        with pytest.raises(RuntimeError, match="selective checkpointed region .* second time"):
+        with pytest.raises(fxopt.ConfigError, match="selective checkpointed region .* second "
+                                                    "time"):
             torch.autograd.grad(loss, list(selective.parameters()))
+
+
+def test_a_gradient_penalty_backs_through_a_selective_region_as_through_the_model(
+        model_and_input):
+    """A gradient penalty (WGAN-GP, R1) differentiates a gradient: ``autograd.grad(...,
+    create_graph=True)``, then a backward of the gradient's norm, which goes through the
+    region's saved tensors again. A selective region released its kept outputs after the first
+    and raised "a second time (retain_graph=True)" where the model trains; one whose backward
+    builds a graph now keeps them, and the parameters' gradients are the model's."""
+    model, x = model_and_input
+    selective = planned(model, x, 0, 7, SELECTIVE, kept=(0, 4))
+    grads = []
+    for module in (model, selective):
+        with preserved_state(module):
+            module.train()
+            image = x.clone().requires_grad_()
+            (slope,) = torch.autograd.grad(module(image).square().sum(), image,
+                                           create_graph=True)
+            slope.square().sum().backward()
+            grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grad, grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 class ConvOutToo(nn.Module):

@@ -20,7 +20,7 @@ from torch import fx, nn
 
 from fxopt.core import torch_private as private
 from fxopt.core.modules import CALL_HOOK_DICTS, HOOK_DICTS
-from fxopt.runtime.regions import PRIVATE_HEAVY_OPS, PRIVATE_LIGHT_OPS
+from fxopt.runtime.regions import PRIVATE_HEAVY_OPS, PRIVATE_LIGHT_OPS, TENSOR_CONTAINERS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,9 +112,10 @@ MODULE_CONTAINERS = {"_parameters", "_buffers", "_modules", "_non_persistent_buf
                      *HOOK_DICTS}
 # Private names the runtime spells, by module: it cannot import fxopt.core.torch_private (export
 # copies it where fxopt is not installed), so it looks them up by name itself;
-# test_private_aten_ops_the_runtime_keeps_exist and test_the_hook_dicts_the_runtime_names_exist
-# check them.
-RUNTIME_PRIVATE = {"fxopt/runtime/regions.py": {*PRIVATE_HEAVY_OPS, *PRIVATE_LIGHT_OPS},
+# test_private_aten_ops_the_runtime_keeps_exist, test_the_hook_dicts_the_runtime_names_exist and
+# test_the_tensor_containers_the_runtime_names_hold_what_functional_call_swaps check them.
+RUNTIME_PRIVATE = {"fxopt/runtime/regions.py": {*PRIVATE_HEAVY_OPS, *PRIVATE_LIGHT_OPS,
+                                                *TENSOR_CONTAINERS},
                    "fxopt/runtime/module_hooks.py": set(CALL_HOOK_DICTS)}
 _DOTTED_PRIVATE = re.compile(r"\btorch(?:\.\w+)*\._[A-Za-z]\w*")
 _ATTRIBUTE_IN_CODE = re.compile(r"\.(_[A-Za-z]\w*)")
@@ -263,6 +264,25 @@ def test_the_scan_sees_each_kind_of_private_use():
 def test_private_aten_ops_the_runtime_keeps_exist():
     """The runtime names these itself (it cannot import the facade): each must still exist."""
     assert all(hasattr(torch.ops.aten, name) for name in (*PRIVATE_HEAVY_OPS, *PRIVATE_LIGHT_OPS))
+
+
+def test_the_tensor_containers_the_runtime_names_hold_what_functional_call_swaps():
+    """A region recomputes with what its modules held in the forward, read from these dicts
+    (``fxopt.runtime.regions.TENSOR_CONTAINERS``): every module has them, they hold its
+    parameters and buffers by name, and ``torch.func.functional_call`` swaps its tensors in
+    there for the call."""
+    module = nn.BatchNorm1d(2)
+    assert set(TENSOR_CONTAINERS) <= set(MODULE_CONTAINERS)
+    parameters, buffers = (vars(module)[name] for name in TENSOR_CONTAINERS)
+    assert parameters == dict(module.named_parameters(recurse=False))
+    assert buffers == dict(module.named_buffers(recurse=False))
+    swapped = {"weight": torch.ones(2), "running_mean": torch.ones(2)}
+    seen = {}
+    module.register_forward_pre_hook(lambda m, args: seen.update(
+        weight=parameters["weight"], running_mean=buffers["running_mean"]))
+    torch.func.functional_call(module, swapped, (torch.randn(3, 2),))
+    assert all(seen[name] is tensor for name, tensor in swapped.items())
+    assert parameters["weight"] is module.weight and module.weight is not swapped["weight"]
 
 
 def test_the_hook_dicts_the_runtime_names_exist():

@@ -33,9 +33,13 @@ autograd saves any tensor: saved-tensor hooks around the model (``save_on_cpu``)
 tensor changed in place after the region raises autograd's own error when backward needs it. Kept
 outputs are released once the recomputation has read them, as torch's selective checkpointing
 does: backward through a selective region works once (a second one, ``retain_graph=True``,
-raises); a full region recomputes again for every backward.
+raises), unless that backward builds a graph (``create_graph=True``: a gradient penalty), whose
+own backward recomputes again; a full region recomputes again for every backward.
 
-Autocast is recorded in forward and the recomputation runs under the same settings. Grads flow
+Autocast is recorded in forward and the recomputation runs under the same settings, and so are
+the tensors the region's modules hold: a parameter or buffer swapped in for the forward alone
+(``torch.func.functional_call``, whose backward runs after it) is put back for the
+recomputation, where ``torch.utils.checkpoint`` would recompute with the module's own. Grads flow
 through the region's own forward graph into the parameters' ``.grad`` by the normal autograd
 engine (no reentrant backward), so DDP's and FSDP2's hooks see them as usual.
 """
@@ -46,6 +50,8 @@ import contextlib
 from typing import Any
 
 import torch
+
+from .errors import ConfigError
 
 
 class _Slot:
@@ -168,7 +174,7 @@ class RegionFrame:
     """One training-mode call of a region: its slots, what it keeps, and how to recompute."""
 
     __slots__ = ("recompute_graph", "reads", "shield", "slots", "arg_slots", "marked", "rng",
-                 "autocast", "keep", "structure", "filled", "selective", "__weakref__")
+                 "autocast", "keep", "structure", "filled", "selective", "held", "__weakref__")
 
     def __init__(self, recompute_graph: Any, reads: Any, shield: Any, selective: bool):
         self.recompute_graph = recompute_graph  # callable(reads, *inputs, *kept) -> inner values
@@ -183,6 +189,7 @@ class RegionFrame:
         self.keep: Any = None             # the _Keep node holding inputs and kept outputs
         self.structure: Any = None
         self.filled = 0
+        self.held: list[tuple[dict, str, torch.Tensor]] = []  # what the modules read held
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -240,15 +247,21 @@ class RegionFrame:
 
     def recompute(self) -> None:
         if self.keep is None:
-            raise RuntimeError(
+            raise ConfigError(
                 "backward ran through a selective checkpointed region of an fxopt-optimized "
                 "module a second time (retain_graph=True); the outputs it kept were released "
-                "after the first backward, as torch's selective checkpointing releases them. "
-                "Call the module again for each backward.")
+                "after the first backward, as torch's selective checkpointing releases them",
+                where="a backward through a graph a first backward had gone through",
+                hint="call the module again for each backward; a backward that builds a graph "
+                     "(torch.autograd.grad(..., create_graph=True), as a gradient penalty does) "
+                     "keeps them for the next one")
         inputs, kept = self._saved()
         self.filled = 0
         hooks = torch.autograd.graph.saved_tensors_hooks(self._fill, _unused)
-        if self.rng is None and self.shield is None and not self._autocast_differs():
+        swapped = [(owner, name, tensor) for owner, name, tensor in self.held
+                   if owner.get(name) is not tensor and _allocated(tensor)]
+        if (self.rng is None and self.shield is None and not swapped
+                and not self._autocast_differs()):
             with torch.enable_grad(), hooks:
                 values = self.recompute_graph(self.reads, *inputs, *kept)
         else:
@@ -261,6 +274,8 @@ class RegionFrame:
                         scope.enter_context(torch.autocast(
                             device_type, dtype=dtype, enabled=enabled,
                             cache_enabled=self.autocast[-1]))
+                if swapped:
+                    scope.enter_context(_held_as_in_forward(swapped))
                 if self.shield is not None:
                     scope.enter_context(self.shield(self.reads))
                 scope.enter_context(torch.enable_grad())
@@ -278,8 +293,10 @@ class RegionFrame:
                 size, stride, offset = slot.view
                 value = value.as_strided(size, stride, value.storage_offset() + offset)
             slot.value = value
-        if self.selective:
-            self.keep = None  # kept outputs: released once recomputation has read them
+        if self.selective and not torch.is_grad_enabled():
+            # kept outputs: released once recomputation has read them, unless this backward
+            # builds a graph (create_graph=True), whose own backward reads them again
+            self.keep = None
 
     def _autocast_differs(self) -> bool:
         """Whether autocast is set otherwise now than in the forward (backward usually runs
@@ -294,6 +311,33 @@ class RegionFrame:
         if index < len(self.slots):
             self.slots[index].value = tensor.detach() if tensor.requires_grad else tensor
         return None
+
+
+@contextlib.contextmanager
+def _held_as_in_forward(swapped: list[tuple[dict, str, torch.Tensor]]) -> Any:
+    """Inside, each module holds the parameter or buffer it held in the forward again (put back
+    into its ``_parameters`` or ``_buffers``), where something replaced it since:
+    ``torch.func.functional_call`` swaps its tensors in for the forward only, and backward then
+    ran outside it. torch.utils.checkpoint recomputes with what the modules hold at backward, so
+    gradients there miss the tensors the forward computed with."""
+    now = [(owner, name, owner.get(name)) for owner, name, _ in swapped]
+    for owner, name, tensor in swapped:
+        owner[name] = tensor
+    try:
+        yield
+    finally:
+        for owner, name, tensor in now:
+            owner[name] = tensor
+
+
+def _allocated(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` still has its memory: FSDP2 frees the storage of the unsharded
+    parameter between forward and backward, and has it back (the same object) by the time a
+    region recomputes."""
+    try:
+        return tensor.untyped_storage().nbytes() > 0 or tensor.numel() == 0
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage
+        return False
 
 
 def _unused(packed: Any) -> Any:  # pragma: no cover - the recomputed graph never runs backward

@@ -186,6 +186,33 @@ class _Namespace:
     """One level of a target path inside ``RootState`` (``layers`` of ``layers.0.weight``)."""
 
 
+def _held_by_modules(reads: Any) -> list[tuple[dict, str, torch.Tensor]]:
+    """(its ``_parameters`` or ``_buffers``, name, tensor) for every tensor the modules in
+    ``reads`` (a ``RootState``, or a module holding its own state) and their submodules hold
+    now: what a recomputation of them must read again (``RegionFrame.held``). Tensors
+    ``reads`` holds directly were resolved in this call already."""
+    if isinstance(reads, RootState):
+        modules = [value for _, _, value in reads.slots() if isinstance(value, torch.nn.Module)]
+    else:
+        modules = [reads]
+    held, seen = [], set()
+    for root in modules:
+        for module in root.modules():
+            if id(module) not in seen:
+                seen.add(id(module))
+                state = vars(module)
+                for container in TENSOR_CONTAINERS:
+                    owner = state[container]
+                    held += [(owner, name, t) for name, t in owner.items() if t is not None]
+    return held
+
+
+# nn.Module's dicts of its parameters and of its buffers, which functional_call swaps tensors in
+# (named here: the runtime cannot import fxopt.core.torch_private; tests/test_torch_private.py
+# checks them)
+TENSOR_CONTAINERS = ("_parameters", "_buffers")
+
+
 def _shieldable(value: Any) -> bool:
     return (isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
             and not value.requires_grad)
@@ -335,6 +362,7 @@ class CheckpointedRegion:
             else:
                 result, kept = type(self.forward).forward(reads, frame, *inputs)
         frame.save(inputs, kept)
+        frame.held = _held_by_modules(reads)
         return result
 
     def _torch_checkpoint(self, reads: Any, inputs: tuple) -> Any:
