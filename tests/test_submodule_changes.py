@@ -268,6 +268,29 @@ def test_a_norms_momentum_set_after_optimize_takes_effect_or_is_refused(capture)
         torch.testing.assert_close(b, a, msg=name)
 
 
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_swa_update_bn_recomputes_statistics_as_on_the_model_or_says_how(capture):
+    """``torch.optim.swa_utils.update_bn`` resets every BatchNorm's statistics, sets its momentum
+    to None (a cumulative average) and runs a pass over data. A graph that calls BatchNorm as a
+    module (symbolic tracing) computes the model's statistics; one that runs it inline with its
+    momentum built in (torch.export) refuses the pass, saying to run it on the model or to
+    capture with ``capture='fx'``."""
+    model = seeded(lambda: torchvision.models.resnet18(num_classes=10))
+    slim = fxopt.optimize(model, X, capture=capture, memory_budget="min", verify=False,
+                          predict_memory=False)
+    averaged = [torch.optim.swa_utils.AveragedModel(m) for m in (copy.deepcopy(model), slim)]
+    batches = [X, X * 0.5]
+    torch.optim.swa_utils.update_bn(batches, averaged[0])
+    if capture == "export":
+        with pytest.raises(fxopt.ConfigError, match="momentum is None now") as caught:
+            torch.optim.swa_utils.update_bn(batches, averaged[1])
+        assert "swa_utils.update_bn" in caught.value.hint and "capture='fx'" in caught.value.hint
+        return
+    torch.optim.swa_utils.update_bn(batches, averaged[1])
+    for (name, a), b in zip(averaged[0].named_buffers(), averaged[1].buffers()):
+        torch.testing.assert_close(b, a, msg=name)
+
+
 class Scaled(nn.Module):
     """A module of the user's own class whose forward reads two plain attributes: a scale and a
     flag it branches on."""

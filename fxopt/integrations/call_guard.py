@@ -278,12 +278,15 @@ def _refuse_changed_constant(path: str, module: nn.Module, was: dict[str, object
     else:
         built_in = (f"runs that {cls} as fxopt.optimize captured it: had its forward read "
                     f"{name}, the value it read then is built in")
+    hint = f"set {name} on your model, then optimize it; or set it back to {said(was)}"
+    if isinstance(module, BatchNormBase) and name == "momentum":
+        hint += ("; to recompute BatchNorm statistics in a pass over data, as "
+                 "torch.optim.swa_utils.update_bn does (momentum None), run it on your model, "
+                 "or optimize with capture='fx', whose graph calls BatchNorm as a module")
     raise ConfigError(
         f"{f'{path}.' if path else ''}{name} is {said(now)} now, where fxopt.optimize saw "
         f"{said(was)}: the optimized graph {built_in}",
-        where=f"{path} ({cls})" if path else name,
-        hint=f"set {name} on your model, then optimize it; or set it back to {said(was)}")
-
+        where=f"{path} ({cls})" if path else name, hint=hint)
 
 
 def _class_name(cls: type) -> str:
