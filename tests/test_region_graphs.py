@@ -283,6 +283,21 @@ def test_backward_twice_full_region_recomputes_selective_region_refuses(model_an
             torch.autograd.grad(loss, list(selective.parameters()))
 
 
+def test_torch_jit_trace_records_a_regions_plain_forward(model_and_input):
+    """``torch.jit.trace`` with grad enabled (its default) ran a region's training forward,
+    whose saved-tensor bookkeeping made two traces of one call differ: the trace's own check
+    failed ("Graphs differed across invocations"), where the model traces. A region under the
+    tracer runs its plain body (a TorchScript graph has no checkpointing), and the traced
+    module computes the model's outputs."""
+    model, x = model_and_input
+    selective = planned(model, x, 0, 7, SELECTIVE, kept=(0, 4))
+    for module in (model, selective):
+        module.eval()
+    traced = torch.jit.trace(selective, x)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), model(x))
+
+
 def test_a_gradient_penalty_backs_through_a_selective_region_as_through_the_model(
         model_and_input):
     """A gradient penalty (WGAN-GP, R1) differentiates a gradient: ``autograd.grad(...,

@@ -16,7 +16,7 @@ plain behaviour, and how modules saved by fxopt 0.1 load.)
 Three graphs, built when the model is optimized (``fxopt.rewrite.region_graphs``):
 
 - ``body``: the region as it was in the model's graph. Run as it is with grad disabled (nothing is
-  recomputed), through code generated from its graph with the boxed calling convention
+  recomputed) and under ``torch.jit.trace``, through code generated from its graph with the boxed calling convention
   (``forward(self, inputs)`` takes its inputs out of the list and empties it), so each input is
   freed at its last use in the body, as in the unoptimized graph: inference pays nothing (an
   exported module's body, code only, carries that code as its ``boxed_forward``). Under
@@ -332,7 +332,7 @@ class CheckpointedRegion:
     def __call__(self, *args: Any) -> Any:
         if self.boxed:  # the checkpoint pass gives every boxed region its targets
             box, reads = args[0], RootState(self.targets, args[1:])
-            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            if _plain_call() and not torch.compiler.is_compiling():
                 return self.run_boxed(reads, box)
             inputs = _taken(box)
         elif self.targets is None:
@@ -340,7 +340,7 @@ class CheckpointedRegion:
         else:
             split = len(args) - len(self.targets)
             inputs, reads = args[:split], RootState(self.targets, args[split:])
-        if not torch.is_grad_enabled():
+        if _plain_call():
             return self.run(reads, *inputs)
         if self.recompute is None or torch.compiler.is_compiling():
             return self._torch_checkpoint(reads, inputs)
@@ -383,6 +383,14 @@ class CheckpointedRegion:
         graph = getattr(self.body, "graph", None)  # an exported body is plain generated code
         size = f", {len(graph.nodes)} nodes" if graph is not None else ""
         return f"CheckpointedRegion({kind}{size})"
+
+
+def _plain_call() -> bool:
+    """Whether a region runs as its plain body: without grad (nothing to recompute), or under
+    ``torch.jit.trace``, which records the operations a call runs (a TorchScript graph has no
+    checkpointing; the saved-tensor hooks' bookkeeping made two traces of one call differ, so
+    the trace's own check failed)."""
+    return not torch.is_grad_enabled() or torch.jit.is_tracing()
 
 
 def _graph_forward(graph_module: torch.nn.Module, reads: Any, *args: Any) -> Any:
