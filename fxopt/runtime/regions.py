@@ -16,8 +16,9 @@ plain behaviour, and how modules saved by fxopt 0.1 load.)
 Three graphs, built when the model is optimized (``fxopt.rewrite.region_graphs``):
 
 - ``body``: the region as it was in the model's graph. Run as it is with grad disabled (nothing is
-  recomputed) and under ``torch.jit.trace``, through code generated from its graph with the boxed calling convention
-  (``forward(self, inputs)`` takes its inputs out of the list and empties it), so each input is
+  recomputed) and under ``torch.jit.trace``, through code generated from its graph with the
+  boxed calling convention (``forward(self, inputs)`` takes its inputs out of the list and
+  empties it), so each input is
   freed at its last use in the body, as in the unoptimized graph: inference pays nothing (an
   exported module's body, code only, carries that code as its ``boxed_forward``). Under
   ``torch.compile`` the body runs as it is.
