@@ -40,10 +40,13 @@ class WithNoGrad(nn.Module):
         return self.out(torch.relu(h))
 
 
-def _optimized():
+def _optimized(autocast: bool = False):
+    """The model, optimized at "min" under the autocast it then runs under (an export capture
+    runs under the autocast it was captured in)."""
     torch.manual_seed(0)
     model, x = WithNoGrad(), torch.randn(256, 8)
-    slim = fxopt.optimize(model, (x,), capture="export", memory_budget="min")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        slim = fxopt.optimize(model, (x,), capture="export", memory_budget="min")
     return model, slim, x
 
 
@@ -64,11 +67,11 @@ def _step(module, x):
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
 def test_an_error_at_any_operator_leaves_grad_mode_and_autocast_as_before(autocast):
-    model, slim, x = _optimized()
+    model, slim, x = _optimized(autocast)
     assert any(type(v).__name__ == "CheckpointedRegion"
                for m in slim.modules() for v in vars(m).values())
     counter = FailAt()
-    with counter:
+    with counter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         _step(slim, x)
     total = counter.calls
     assert total > 20
@@ -83,10 +86,12 @@ def test_an_error_at_any_operator_leaves_grad_mode_and_autocast_as_before(autoca
         assert not torch.is_autocast_enabled("cpu")
         slim.zero_grad(set_to_none=True)
     # and the module still trains like the model after all those failures
-    _step(slim, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        _step(slim, x)
     grads = {n: p.grad.clone() for n, p in slim.named_parameters()}
     model.zero_grad(set_to_none=True)
-    _step(model, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        _step(model, x)
     for name, param in model.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, msg=name)
 

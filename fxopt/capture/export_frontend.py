@@ -147,8 +147,12 @@ from fxopt.core import meta_keys
 from fxopt.core.errors import FxoptError, InputError, TraceError
 from fxopt.core.modules import call_hooks, structural_copy
 from fxopt.core.state import preserved_state
-from fxopt.core.torch_private import fake_tensor_cache_off, size_oblivious_export
-from fxopt.runtime.input_guard import InputGuard, TensorSpec, guard_inputs
+from fxopt.core.torch_private import (
+    ASSERT_TENSOR_METADATA,
+    fake_tensor_cache_off,
+    size_oblivious_export,
+)
+from fxopt.runtime.input_guard import InputGuard, TensorSpec, autocast_state, guard_inputs
 
 _ATTRIBUTE_PREFIX = "_fxopt_export_"
 _INNER = "inner"  # the model's attribute name inside the exported wrapper
@@ -333,6 +337,25 @@ def _trace_error(model: nn.Module, error: BaseException, mode: str) -> TraceErro
 # Building the GraphModule
 
 
+def _autocast_to_keep(program: Any, devices: tuple[torch.device, ...], state: list) -> tuple:
+    """The autocast a call of the captured graph must run under (``InputGuard.autocast``), or
+    ``()`` for any. A graph traced under autocast has its casts built in, and computes in
+    reduced precision under no other. One traced in full precision re-dispatches through a
+    call's autocast as the model's code does, unless torch.export turned a cast that was a no-op
+    into a check of the dtype (``_assert_tensor_metadata``: an RMSNorm's ``.to(torch.float32)``),
+    which a call under autocast would fail, and where the model would have cast."""
+    device_types = dict.fromkeys(["cpu", *(d.type for d in devices), *(t for *_, t in state)])
+    captured = autocast_state(device_types)
+    if any(dtype is not None for _, dtype in captured):
+        return captured
+    checks_dtypes = any(node.op == "call_function" and node.target in ASSERT_TENSOR_METADATA
+                        and isinstance(node.kwargs.get("dtype"), torch.dtype)
+                        and node.kwargs["dtype"].is_floating_point
+                        for module in program.graph_module.modules()
+                        if isinstance(module, fx.GraphModule) for node in module.graph.nodes)
+    return captured if checks_dtypes else ()
+
+
 def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: str,
             attributes: dict[str, Any], shell: nn.Module, constraints: Constraints,
             devices: tuple[torch.device, ...], *, static: bool = False) -> fx.Graph:
@@ -361,7 +384,7 @@ def _unlift(exported: _Exported, placeholders: list[Placeholder], model_name: st
     guard = InputGuard(model_name, tuple((p.name, p.recipe) for p in placeholders),
                        tuple(constraints.specs), constraints.ranges,
                        checks=tuple(constraints.checks), state=tuple(state),
-                       static=static)
+                       static=static, autocast=_autocast_to_keep(program, devices, state))
     guard_name = next((n for n, v in attributes.items()
                        if isinstance(v, InputGuard) and v == guard), None)
     if guard_name is None:  # the eval graph's guard is the train graph's unless sizes differ

@@ -22,7 +22,12 @@ captured and raises before the graph computes anything:
   device types (as above), ranks, fixed sizes, and the ranges and equalities of the sizes left
   dynamic;
 - ``checks``: the conditions on sizes torch.export recorded while tracing (its guards: a branch on
-  ``seq_len > 1``, two sizes whose product must match), as expressions (see ``evaluate``).
+  ``seq_len > 1``, two sizes whose product must match), as expressions (see ``evaluate``);
+- ``autocast``: the autocast the graph was traced under, on the CPU and the capture's device
+  types. torch.export records the casts autocast made as graph operations, and a cast that was
+  a no-op (``hidden_states.to(torch.float32)`` in an RMSNorm, in full precision) as a check of
+  the dtype, so under another autocast the graph computes another function or fails in its
+  checks with torch's bare ``RuntimeError``: a call under another autocast is refused.
 
 A *recipe* (``Leaf``, ``Const``, ``Seq``, ``Map``, ``Fields``) describes a nested Python value:
 where its tensors are, and the containers and plain values around them; ``fxopt.capture.recipes``
@@ -216,6 +221,21 @@ def captured_static(module: torch.nn.Module) -> bool:
     return any(isinstance(value, InputGuard) and value.static for value in vars(module).values())
 
 
+def autocast_state(device_types: Any) -> tuple[tuple[str, torch.dtype | None], ...]:
+    """(device type, the dtype autocast casts to there, None where it is off) for each of
+    ``device_types``, in their order: what an export-captured module was traced under
+    (``InputGuard.autocast``) and what a call runs under."""
+    return tuple((t, _autocast_dtype(t)) for t in device_types)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
+
+
 class InputGuard:
     """Raises ``InputError`` when a call's inputs differ from what the graph was captured for.
 
@@ -227,7 +247,8 @@ class InputGuard:
     dtype and device type of each tensor passed as ``state``, as captured; ``static``: every
     size was fixed on request (``fxopt.optimize(dynamic=False)``), which errors then say;
     ``portable``: no graph of the module names a device type, so the module may move to another
-    one as a whole (the module docstring).
+    one as a whole (the module docstring); ``autocast``: the autocast the graph was traced
+    under, per device type (``autocast_state``), which a call must run under too.
     """
 
     __name__ = "fxopt_input_guard"
@@ -235,10 +256,12 @@ class InputGuard:
     state: tuple = ()
     static: bool = False
     portable: bool = False
+    autocast: tuple = ()
 
     def __init__(self, model_name: str, params: tuple, tensors: tuple[TensorSpec, ...],
                  ranges: dict[str, tuple[int, int | None]], *, checks: tuple = (),
-                 state: tuple = (), static: bool = False, portable: bool = False):
+                 state: tuple = (), static: bool = False, portable: bool = False,
+                 autocast: tuple = ()):
         self.model_name = model_name
         self.params = params
         self.tensors = tensors
@@ -247,10 +270,11 @@ class InputGuard:
         self.state = tuple(state)
         self.static = static
         self.portable = portable
+        self.autocast = tuple(autocast)
 
     def _key(self) -> tuple:
         return (self.model_name, self.params, self.tensors, tuple(sorted(self.ranges.items())),
-                self.checks, self.state, self.static, self.portable)
+                self.checks, self.state, self.static, self.portable, self.autocast)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, InputGuard) and self._key() == other._key()
@@ -267,6 +291,8 @@ class InputGuard:
             # Symbolic tracing of the captured module (fxopt.optimize on it): stay in the graph.
             return proxy.tracer.create_proxy("call_function", self, values,
                                              {"state": state} if state else {})
+        if self.autocast and autocast_state(t for t, _ in self.autocast) != self.autocast:
+            self._refuse_autocast()
         moved: dict[str, str] = {}  # device type at capture -> the one in this call
         self._check_state(state, moved)
         found: dict[int, tuple[str, Any]] = {}
@@ -278,6 +304,28 @@ class InputGuard:
         if self.checks:
             self._check_sizes({i: t for i, (_, t) in found.items()},
                               {i: where for i, (where, _) in found.items()})
+
+    def _refuse_autocast(self) -> None:
+        def said(state: tuple) -> str:
+            on = [f"{str(dtype).removeprefix('torch.')} autocast on {device_type}"
+                  for device_type, dtype in state if dtype is not None]
+            return "under " + " and ".join(on) if on else "in full precision"
+
+        now = autocast_state(t for t, _ in self.autocast)
+        captured = next((f'torch.autocast("{t}", dtype={d})' for t, d in self.autocast if d),
+                        None)
+        called = next((f'torch.autocast("{t}", dtype={d})' for t, d in now if d), None)
+        how = (f"call fxopt.optimize inside the {called} you run it under "
+               f"(with {called}: optimized = fxopt.optimize(model, ...))" if called else
+               f"run it under the {captured} it was optimized in, or optimize the model outside "
+               "autocast to run it in full precision")
+        raise InputError(
+            f"{self.model_name} was captured by torch.export {said(self.autocast)}, and this call "
+            f"runs {said(now)}: torch.export builds the dtypes of the step it traced into the "
+            "graph (the casts autocast made, and checks of the dtypes it found), so the module "
+            "computes the model's function only under the autocast it was captured under",
+            where=f"{self.model_name}.forward",
+            hint=how + "; to run in both precisions, optimize once for each")
 
     def runs_on(self, device_type: str) -> bool:
         """Whether the module, moved as a whole to ``device_type``, passes this guard."""
@@ -311,9 +359,9 @@ class InputGuard:
             else:
                 hint = (f"optimize the model in its training dtype: call fxopt.optimize on the "
                         f"model after .to({t.dtype}) (or convert this module back to {dtype}). "
-                        "For mixed precision run it under torch.autocast; under FSDP2 too, "
-                        "instead of a MixedPrecisionPolicy with a param_dtype, which casts the "
-                        "parameters")
+                        "For mixed precision optimize and run it under torch.autocast; under "
+                        "FSDP2 too, instead of a MixedPrecisionPolicy with a param_dtype, which "
+                        "casts the parameters")
             raise InputError(
                 f"{model} was captured by torch.export with {name} of dtype {dtype} on "
                 f"{device_type}, and it is now {t.dtype} on {t.device.type} (the module was "
