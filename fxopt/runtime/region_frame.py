@@ -25,8 +25,9 @@ differences that make the recompute cost only its arithmetic:
   graph calls ``recomputed_batch_norm`` (training mode: ``torch.batch_norm`` over scratch running
   statistics, which it updates and nobody reads; the output depends on the batch alone), and
   leaves out the counter's ``add_``. Only a region that writes other buffers (an unknown module
-  holding buffers, a norm in a form the builder does not know) recomputes over copies of them
-  (``shield``: ``fxopt.runtime.regions.buffers_shielded``).
+  holding buffers, a norm in a form the builder does not know, spectral norm's power iteration)
+  recomputes over copies of them as the forward found them (``shield``:
+  ``fxopt.runtime.regions.buffers_as_before``).
 
 The region's inputs and kept outputs are saved by a small autograd function (``_Keep``), as
 autograd saves any tensor: saved-tensor hooks around the model (``save_on_cpu``) see them, and a

@@ -34,8 +34,8 @@ hooks that save nothing, and the recompute graph when backward first needs a sav
 ``torch.utils.checkpoint(use_reentrant=False)`` does, without a Python callback per ATen op (the
 selective policy is the graph itself), an RNG stash for regions that draw no random numbers
 (``random``), or buffer copies per call (``shield``: only for a region that writes buffers the
-builder cannot recompute without writing, whose recomputation then runs on copies of them,
-``buffers_shielded``). Why not torch's machinery with a policy: its selective checkpointing decides
+builder cannot recompute without writing, whose recomputation then runs on copies of them as
+its forward found them, ``buffers_as_before``). Why not torch's machinery with a policy: its selective checkpointing decides
 per ATen op in a ``TorchDispatchMode``, in forward and again in recompute; on small ops that
 Python, not the arithmetic, set the time (``benchmarks/recompute_overhead.py``). Why not one
 autograd Function per region with a backward graph traced at optimize time: that needs the joint
@@ -219,13 +219,10 @@ def _shieldable(value: Any) -> bool:
             and not value.requires_grad)
 
 
-@contextlib.contextmanager
-def buffers_shielded(reads: Any) -> Iterator[None]:
-    """Inside: recomputation writes into copies of the buffers ``reads`` reaches.
-
-    ``reads`` is a ``RootState`` (the buffers of the modules it holds, and the buffer tensors it
-    holds directly) or a module (its buffers and its submodules').
-    """
+def _buffers_read(reads: Any) -> list[tuple[Any, str, torch.Tensor]]:
+    """(owner, name, buffer) for every buffer ``reads`` reaches: a ``RootState`` (the buffers of
+    the modules it holds, and the buffer tensors it holds directly) or a module (its buffers and
+    its submodules')."""
     if isinstance(reads, RootState):
         passed = reads.slots()
         modules = [value for _, _, value in passed if isinstance(value, torch.nn.Module)]
@@ -239,13 +236,37 @@ def buffers_shielded(reads: Any) -> Iterator[None]:
             owners += [(module, name, buffer)
                        for name, buffer in module.named_buffers(recurse=False)
                        if not buffer.requires_grad]
-    for owner, name, buffer in owners:  # assigning a tensor to a buffer's name replaces it
-        setattr(owner, name, buffer.detach().clone())
+    return owners
+
+
+@contextlib.contextmanager
+def _buffers_set_to(values: list[tuple[Any, str, torch.Tensor]]) -> Iterator[None]:
+    """Inside, each (owner, name) holds a copy of its ``values`` tensor; after, what it held."""
+    held = [(owner, name, getattr(owner, name)) for owner, name, _ in values]
+    for owner, name, value in values:  # assigning a tensor to a buffer's name replaces it
+        setattr(owner, name, value.detach().clone())
     try:
         yield
     finally:
-        for owner, name, buffer in owners:
+        for owner, name, buffer in held:
             setattr(owner, name, buffer)
+
+
+def buffers_shielded(reads: Any) -> contextlib.AbstractContextManager:
+    """Inside: recomputation writes into copies of the buffers ``reads`` reaches, as they are
+    now (``_buffers_read``)."""
+    return _buffers_set_to(_buffers_read(reads))
+
+
+def buffers_as_before(reads: Any) -> Any:
+    """Called before a region's forward: a ``shield`` for its recomputation, which then runs on
+    copies of the buffers ``reads`` reaches *as the forward found them*. A module that updates a
+    buffer in forward and reads it (spectral norm's power iteration: ``_u`` and ``_v``) computes
+    its recomputation from the values its forward read, as the model computed once; copies made
+    when backward recomputes would hold the forward's update, and recompute another function
+    (a weight gradient 0.26% off, float64, on a spectral-normed conv)."""
+    values = [(owner, name, buffer.detach().clone()) for owner, name, buffer in _buffers_read(reads)]
+    return lambda _reads: _buffers_set_to(values)
 
 
 @contextlib.contextmanager
@@ -286,7 +307,8 @@ class CheckpointedRegion:
     (body's result, kept outputs)``); None for a full region (the body is its forward).
     ``random``: whether the region draws random numbers (its RNG state is stashed for the
     recomputation); ``shield``: whether the recomputation runs on copies of the buffers it reads
-    (``buffers_shielded``), for a region writing buffers its recompute graph cannot leave alone.
+    as the forward found them (``buffers_as_before``), for a region writing buffers its recompute
+    graph cannot leave alone.
     ``boxed``: the call site passes the body's inputs as one list (``region_inputs``), which the
     region empties; else one by one, as regions pickled before it existed are called.
     ``light``: a selective region that recomputes only its light ops (``is_light``) and keeps
@@ -351,7 +373,8 @@ class CheckpointedRegion:
         """A training forward: the forward graph under saved-tensor hooks that save nothing
         (``fxopt.runtime.region_frame``)."""
         frame = RegionFrame(functools.partial(_graph_forward, self.recompute), reads,
-                            buffers_shielded if self.shield else None, self.forward is not None)
+                            buffers_as_before(reads) if self.shield else None,
+                            self.forward is not None)
         device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
         if self.random:
             state = reads.slots() if isinstance(reads, RootState) else ()
