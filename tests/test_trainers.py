@@ -162,6 +162,30 @@ def test_trainer_label_smoothing_shifts_the_labels_of_the_optimized_causal_lm(tm
 # accelerate
 
 
+@pytest.mark.parametrize("optimized_under_autocast", [True, False], ids=["inside", "outside"])
+def test_trainer_bf16_trains_a_llama_optimized_inside_autocast_and_refuses_one_optimized_outside(
+        optimized_under_autocast, tmp_path):
+    """``bf16=True`` runs the forward under bfloat16 autocast. The guide's recipe, ``optimize``
+    inside that autocast, trains 3 steps with the original's losses; optimized outside it, the
+    export-captured Llama failed mid-step with torch's bare "Tensor dtype mismatch" and is now
+    refused at its first call with an ``InputError`` saying where to call ``optimize``."""
+    ids = torch.stack([row["input_ids"] for row in dataset()[:BATCH]])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=optimized_under_autocast):
+        gm = fxopt.optimize(llama(), (), example_kwargs={"input_ids": ids, "labels": ids},
+                            memory_budget="min")
+    arguments = {"bf16": True, "save_strategy": "no", "optim": "sgd"}
+    if not optimized_under_autocast:
+        with pytest.raises(fxopt.InputError, match="captured by torch.export in full precision, "
+                                                   "and this call runs under bfloat16 autocast"):
+            train_with_trainer(gm, tmp_path / "optimized", **arguments)
+        return
+    _, expected = train_with_trainer(llama(), tmp_path / "original", **arguments)
+    _, losses = train_with_trainer(gm, tmp_path / "optimized", **arguments)
+    assert len(losses) == STEPS
+    torch.testing.assert_close(torch.tensor(list(losses.values())),
+                               torch.tensor(list(expected.values())), **LOSS_TOLERANCE)
+
+
 def train_with_accelerate(model, folder, *, steps=range(STEPS), resume_from=None, prepared=None):
     """``steps`` AdamW steps of a plain accelerate loop; saves the accelerator state after step 2
     (index 1) to ``folder/state``. Returns the losses and what was prepared (to resume)."""
