@@ -174,13 +174,19 @@ def test_trainer_bf16_trains_a_llama_optimized_inside_autocast_and_refuses_one_o
         gm = fxopt.optimize(llama(), (), example_kwargs={"input_ids": ids, "labels": ids},
                             memory_budget="min")
     arguments = {"bf16": True, "save_strategy": "no", "optim": "sgd"}
-    if not optimized_under_autocast:
-        with pytest.raises(fxopt.InputError, match="captured by torch.export in full precision, "
-                                                   "and this call runs under bfloat16 autocast"):
-            train_with_trainer(gm, tmp_path / "optimized", **arguments)
-        return
-    _, expected = train_with_trainer(llama(), tmp_path / "original", **arguments)
-    _, losses = train_with_trainer(gm, tmp_path / "optimized", **arguments)
+    try:
+        if not optimized_under_autocast:
+            with pytest.raises(fxopt.InputError, match="captured by torch.export in full "
+                                                       "precision, and this call runs under "
+                                                       "bfloat16 autocast"):
+                train_with_trainer(gm, tmp_path / "optimized", **arguments)
+            return
+        _, expected = train_with_trainer(llama(), tmp_path / "original", **arguments)
+        _, losses = train_with_trainer(gm, tmp_path / "optimized", **arguments)
+    finally:
+        # accelerate keeps one process-wide state: every later Accelerator(cpu=True) of this
+        # worker would be bf16 too
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
     assert len(losses) == STEPS
     torch.testing.assert_close(torch.tensor(list(losses.values())),
                                torch.tensor(list(expected.values())), **LOSS_TOLERANCE)
