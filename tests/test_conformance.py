@@ -27,6 +27,7 @@ from fxopt.core import meta_keys
 from fxopt.core.errors import InputError
 from fxopt.core.torch_private import forward_pre_hooks
 from fxopt.integrations.call_guard import refuse_what_would_not_run
+from fxopt.integrations.hf_trainer import PretrainedInterface
 from fxopt.runtime.regions import CheckpointedRegion
 
 transformers = pytest.importorskip("transformers")
@@ -39,9 +40,10 @@ class ConvBN(nn.Module):
         self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                                    nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
         self.head = nn.Linear(8, 5)
+        self.scale = 1.0  # a scalar of the root's own, which the graph has built in
 
     def forward(self, x):
-        return self.head(self.block(self.stem(x)).mean((2, 3)))
+        return self.head(self.block(self.stem(x)).mean((2, 3))) * self.scale
 
 
 def _llama():
@@ -206,9 +208,10 @@ def test_the_call_guard_is_the_one_piece_of_state_fxopt_adds_and_every_operation
 def test_after_every_operation_the_call_guard_still_refuses_what_would_not_run(pair):
     """The guard's record (``meta[INLINED]``: the modules the graphs run inline) survives what a
     script does to the module: after load_state_dict with assign, a dtype round trip and a
-    deepcopy, a hook on an inlined module, a replaced inlined module and (on a capture that
-    inlines BatchNorm) a BatchNorm in another mode than the root are each refused before any
-    compute, and the module runs again once they are undone."""
+    deepcopy, a hook on an inlined module, a replaced inlined module, (on a capture that
+    inlines BatchNorm) a BatchNorm in another mode than the root, a scalar attribute of the
+    root's set anew and (on a Hugging Face model) a config field the forward reads are each
+    refused before any compute, and the module runs again once they are undone."""
     model, slim, inputs = _copies(pair)
     slim.load_state_dict(_new_state(model), assign=True)
     slim.to(torch.float64).to(torch.float32)
@@ -235,6 +238,17 @@ def test_after_every_operation_the_call_guard_still_refuses_what_would_not_run(p
         slim.get_submodule(norms[0]).eval()
         refused("in eval mode while the module is in train mode")
         slim.get_submodule(norms[0]).train()
+    # the root's scalar attributes (held by the module itself) and a Hugging Face config
+    constants = slim.meta[meta_keys.BLOCK_CONSTANTS]
+    name = next(n for n, v in constants.items() if type(v) in (int, float))
+    was = getattr(slim, name)
+    setattr(slim, name, was + 1)
+    refused(f"{name} is {was + 1!r} now, where fxopt.optimize saw {was!r}")
+    setattr(slim, name, was)
+    if isinstance(slim, PretrainedInterface):
+        slim.config.output_hidden_states = True
+        refused("config.output_hidden_states")
+        slim.config.output_hidden_states = False
     slim.zero_grad(set_to_none=True)
     _loss(slim(**inputs)).backward()
 
