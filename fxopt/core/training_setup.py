@@ -32,6 +32,7 @@ import torch
 
 from fxopt.core.errors import ConfigError
 from fxopt.runtime.fused_step import FusedOptimizers, fused_optimizers
+from fxopt.runtime.input_guard import autocast_state
 
 OUTPUTS = ("all", "loss")
 
@@ -121,10 +122,8 @@ class TrainingSetup:
 
 
 def ambient_autocast(device: torch.device) -> tuple[str, torch.dtype] | None:
-    """The autocast active for ``device``'s type where this is called, or None."""
-    device_type = torch.device(device).type
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except (RuntimeError, TypeError):  # a device type autocast does not know
-        return None
-    return (device_type, torch.get_autocast_dtype(device_type)) if enabled else None
+    """The autocast active for ``device``'s type where this is called, or None
+    (``fxopt.runtime.input_guard.autocast_state``, which export-captured graphs check calls
+    with)."""
+    ((device_type, dtype),) = autocast_state([torch.device(device).type])
+    return (device_type, dtype) if dtype is not None else None

@@ -187,25 +187,28 @@ class _Namespace:
     """One level of a target path inside ``RootState`` (``layers`` of ``layers.0.weight``)."""
 
 
-def _held_by_modules(reads: Any) -> list[tuple[dict, str, torch.Tensor]]:
-    """(its ``_parameters`` or ``_buffers``, name, tensor) for every tensor the modules in
-    ``reads`` (a ``RootState``, or a module holding its own state) and their submodules hold
-    now: what a recomputation of them must read again (``RegionFrame.held``). Tensors
-    ``reads`` holds directly were resolved in this call already."""
+def _modules_read(reads: Any) -> list[torch.nn.Module]:
+    """Each module ``reads`` reaches, once: the modules a ``RootState`` holds and their
+    submodules, or a module holding its own state and its submodules."""
     if isinstance(reads, RootState):
-        modules = [value for _, _, value in reads.slots() if isinstance(value, torch.nn.Module)]
+        roots = [value for _, _, value in reads.slots() if isinstance(value, torch.nn.Module)]
     else:
-        modules = [reads]
-    held, seen = [], set()
-    for root in modules:
+        roots = [reads]
+    found: dict[int, torch.nn.Module] = {}
+    for root in roots:
         for module in root.modules():
-            if id(module) not in seen:
-                seen.add(id(module))
-                state = vars(module)
-                for container in TENSOR_CONTAINERS:
-                    owner = state[container]
-                    held += [(owner, name, t) for name, t in owner.items() if t is not None]
-    return held
+            found.setdefault(id(module), module)
+    return list(found.values())
+
+
+def _held_by_modules(reads: Any) -> list[tuple[dict, str, torch.Tensor]]:
+    """(its ``_parameters`` or ``_buffers``, name, tensor) for every tensor the modules
+    ``reads`` reaches hold now (``_modules_read``): what a recomputation of them must read again
+    (``RegionFrame.held``). Tensors ``reads`` holds directly were resolved in this call
+    already."""
+    return [(owner, name, t) for module in _modules_read(reads)
+            for owner in (vars(module)[container] for container in TENSOR_CONTAINERS)
+            for name, t in owner.items() if t is not None]
 
 
 # nn.Module's dicts of its parameters and of its buffers, which functional_call swaps tensors in
@@ -220,23 +223,13 @@ def _shieldable(value: Any) -> bool:
 
 
 def _buffers_read(reads: Any) -> list[tuple[Any, str, torch.Tensor]]:
-    """(owner, name, buffer) for every buffer ``reads`` reaches: a ``RootState`` (the buffers of
-    the modules it holds, and the buffer tensors it holds directly) or a module (its buffers and
-    its submodules')."""
-    if isinstance(reads, RootState):
-        passed = reads.slots()
-        modules = [value for _, _, value in passed if isinstance(value, torch.nn.Module)]
-        direct = [(owner, name, value) for owner, name, value in passed if _shieldable(value)]
-    else:
-        modules, direct = [reads], []
-    owners, seen = list(direct), set()
-    for module in (m for root in modules for m in root.modules()):
-        if id(module) not in seen:
-            seen.add(id(module))
-            owners += [(module, name, buffer)
-                       for name, buffer in module.named_buffers(recurse=False)
-                       if not buffer.requires_grad]
-    return owners
+    """(owner, name, buffer) for every buffer ``reads`` reaches: those of the modules it reaches
+    (``_modules_read``), and the buffer tensors a ``RootState`` holds directly."""
+    direct = ([(owner, name, value) for owner, name, value in reads.slots() if _shieldable(value)]
+              if isinstance(reads, RootState) else [])
+    return direct + [(module, name, buffer) for module in _modules_read(reads)
+                     for name, buffer in module.named_buffers(recurse=False)
+                     if not buffer.requires_grad]
 
 
 @contextlib.contextmanager
