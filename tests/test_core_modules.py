@@ -84,6 +84,39 @@ def test_shared_module_stays_shared_once_and_tied_weights_stay_tied():
     assert len(list(copy.modules())) == len(list(model.modules()))
 
 
+def test_lists_of_scalars_are_the_copys_own_and_other_values_shared():
+    """A list of sizes or weights (what a forward may compute with, guarded by value) is the
+    copy's own: the model appending to its own (a forward keeping a count) leaves the copy's as
+    it was; a list of objects, a dict, a plain tensor stay shared, as documented."""
+    model = nn.Linear(2, 2)
+    model.sizes, model.nested, model.named = [1, 2], ([0.5], "x"), [nn.Identity()]
+    model.table, model.mask = {"a": 1}, torch.ones(2)
+    copy = structural_copy(model)
+    assert (copy.sizes, copy.nested) == (model.sizes, model.nested)
+    assert copy.sizes is not model.sizes and copy.nested[0] is not model.nested[0]
+    assert copy.named is model.named and copy.table is model.table and copy.mask is model.mask
+    model.sizes.append(3)
+    assert copy.sizes == [1, 2]
+
+
+def test_constant_values_of_a_list_are_what_it_holds_when_asked():
+    """A record of ``constant_values`` taken once compares unequal to the module's values after
+    its list changed in place, which no ``setattr`` shows; a list of objects is no constant."""
+    class Spaced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.strides, self.modules_kept = [8, 16], [nn.Identity()]
+
+    module = Spaced()
+    record = modules_as_they_are(nn.Sequential(module), {"0"})
+    assert dict(constant_values(module)) == {"strides": [8, 16]}
+    module.strides[1] = 32
+    assert dict(constant_values(module)) == {"strides": [8, 32]}
+    assert not still_as_they_were(record)
+    module.strides[1] = 16
+    assert still_as_they_were(record)
+
+
 def test_training_flags_are_copied_per_module():
     model = SharedPaths()
     model.block.bn.eval()
@@ -298,7 +331,8 @@ def test_constant_values_are_torch_constants_or_the_scalars_a_users_module_holds
 
     assert constant_values(Custom(0.2)) == (("p", 0.2), ("inplace", False))
     assert constant_values(Scaled()) == (("scale", 0.5), ("causal", True), ("window", (4, 4)),
-                                         ("dtype_", torch.bfloat16), ("note", None))
+                                         ("dtype_", torch.bfloat16), ("note", None),
+                                         ("pairs", ((1, 2),)))
 
 
 class Flagged(nn.Identity):

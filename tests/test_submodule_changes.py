@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import re
 
 import pytest
 import torch
@@ -292,16 +293,16 @@ def test_swa_update_bn_recomputes_statistics_as_on_the_model_or_says_how(capture
 
 
 class Scaled(nn.Module):
-    """A module of the user's own class whose forward reads two plain attributes: a scale and a
-    flag it branches on."""
+    """A module of the user's own class whose forward reads three plain attributes: a scale, a
+    flag it branches on and a list of two weights."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8)
-        self.scale, self.gated = 0.5, True
+        self.scale, self.gated, self.mix = 0.5, True, [1.0, 0.0]
 
     def forward(self, x):
-        y = self.fc(x) * self.scale
+        y = self.fc(x) * self.scale * self.mix[0] + self.mix[1]
         return y * torch.sigmoid(y) if self.gated else y
 
 
@@ -347,6 +348,15 @@ def test_a_scale_or_flag_set_after_optimize_on_a_module_of_the_users_class_is_re
         assert caught.value.where == f"{path} (Scaled)"
         assert f"set it back to {was!r}" in caught.value.hint
         setattr(module, name, was)
+    for path in ("body.1", "gate"):  # a list changed in place: no setattr to see
+        module, own = slim.get_submodule(path), model.get_submodule(path)
+        assert module.mix == own.mix and module.mix is not own.mix
+        module.mix[0] = 3.0
+        with pytest.raises(fxopt.ConfigError, match=re.escape(
+                "mix is [3.0, 0.0] now, where fxopt.optimize saw [1.0, 0.0]")) as caught:
+            slim(x)
+        assert caught.value.where == f"{path} (Scaled)"
+        module.mix[0] = 1.0
     slim.body[0].note = slim.gate.note = "tagged"
     copied = copy.deepcopy(slim)
     torch.testing.assert_close(slim(x), model(x))
@@ -376,15 +386,20 @@ def test_a_scalar_attribute_of_the_root_reads_as_on_the_model_and_set_anew_is_re
     it (``model.temperature = 0.5``) changed the model's results and silently not the graph's,
     which has the value forward read built in. The root's scalar attributes are now the
     optimized module's too, and one set anew or deleted is refused before any compute, on a
-    deep copy and after torch.save / torch.load alike; an attribute added is accepted, and a
-    list is not carried (a change inside it would go unseen). The saved module is a deep copy:
+    deep copy and after torch.save / torch.load alike; an attribute added is accepted. A list of
+    scalars is carried as a copy of its own, and changed in place (which no setattr shows) it
+    is refused alike; the model changing its own list leaves the optimized module's as it was.
+    The saved module is a deep copy:
     torch.load of one made by torch.export raised NotImplementedError (the copy re-traced with
     fx's own tracer, which cannot record the input guard), until the tracer class went with the
     graph, where GraphModule's copies take it from."""
     model = seeded(ScaledRoot)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
     slim = fxopt.optimize(model, x, capture=capture, verify=False, predict_memory=False)
-    assert (slim.temperature, slim.centred) == (2.0, True) and not hasattr(slim, "tags")
+    assert (slim.temperature, slim.centred) == (2.0, True)
+    assert slim.tags == model.tags and slim.tags is not model.tags
+    model.tags.append("the model's own")
+    assert slim.tags == ["kept by reference"]
     slim.epoch = 3
     torch.testing.assert_close(slim(x), model(x))
     torch.save(copy.deepcopy(slim), tmp_path / "slim.pt")
@@ -402,6 +417,13 @@ def test_a_scalar_attribute_of_the_root_reads_as_on_the_model_and_set_anew_is_re
                 optimized(x)
             assert ops.calls == 0 and caught.value.where == name
             setattr(optimized, name, was)
+        optimized.tags[0] = "changed in place"
+        with FailAt() as ops, pytest.raises(fxopt.ConfigError, match=re.escape(
+                "tags is ['changed in place'] now, where fxopt.optimize saw "
+                "['kept by reference']")) as caught:
+            optimized(x)
+        assert ops.calls == 0 and caught.value.where == "tags"
+        optimized.tags[0] = "kept by reference"
         torch.testing.assert_close(optimized(x), model(x))
 
 

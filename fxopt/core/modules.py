@@ -75,18 +75,20 @@ def constant_values(module: nn.Module) -> tuple[tuple[str, object], ...]:
     """What a graph that runs ``module`` inline may have built in, as (name, value) pairs. For a
     ``torch.nn`` class: its ``settable_constants``. For a class of the user's or a library's
     (a Hugging Face attention's ``scaling``, a flag its ``forward`` branches on): every public
-    attribute of the instance holding a scalar (bool, int, float, str, None, a dtype or a device,
-    or a tuple of those), whether or not ``forward`` reads it: which it reads, the graph no
-    longer says. A class FSDP2's ``fully_shard`` made (``FSDP<class>``) counts as its class; a
-    block ``fxopt.rewrite.blocks`` kept (a GraphModule) counts as the module it stands for
-    (``meta_keys.BLOCK_CONSTANTS``: a deleted one reads as ``UNSET``)."""
+    attribute of the instance holding a scalar (bool, int, float, str, None, a dtype or a device),
+    or a tuple or list of those (nested too), whether or not ``forward`` reads it: which it
+    reads, the graph no longer says. A list comes as a copy (``_snapshot``), so a record of the
+    values compares unequal to them once the list is changed in place. A class FSDP2's
+    ``fully_shard`` made (``FSDP<class>``) counts as its class; a block ``fxopt.rewrite.blocks``
+    kept (a GraphModule) counts as the module it stands for (``meta_keys.BLOCK_CONSTANTS``: a
+    deleted one reads as ``UNSET``)."""
     if isinstance(module, fx.GraphModule):
         recorded = module.meta.get(meta_keys.BLOCK_CONSTANTS, {})
-        return tuple((name, module.__dict__.get(name, UNSET)) for name in recorded)
+        return tuple((name, _snapshot(module.__dict__.get(name, UNSET))) for name in recorded)
     names = torch_constants(type(module))
     if names is not None:
         return tuple((name, getattr(module, name, None)) for name in names)
-    return tuple((name, value) for name, value in module.__dict__.items()
+    return tuple((name, _snapshot(value)) for name, value in module.__dict__.items()
                  if name[0] != "_" and name != "training" and _is_scalar(value))
 
 
@@ -98,8 +100,8 @@ def carry_constants(module: nn.Module, graph_module: fx.GraphModule) -> None:
     built in, so the call guard refuses a call after one of them was set anew or deleted."""
     constants = {name: value for name, value in constant_values(module)
                  if not hasattr(graph_module, name)}
-    for name, value in constants.items():
-        object.__setattr__(graph_module, name, value)
+    for name, value in constants.items():  # a list of its own, apart from the record
+        object.__setattr__(graph_module, name, _snapshot(value))
     graph_module.meta[meta_keys.BLOCK_CONSTANTS] = constants
 
 
@@ -117,9 +119,20 @@ UNSET = _Unset()
 
 
 def _is_scalar(value: object) -> bool:
-    if type(value) is tuple:
-        return all(type(item) in _SCALAR_TYPES for item in value)
+    """A scalar, or a tuple or list of them (nested too): data a forward may branch on or
+    compute with, which a capture builds into the graph."""
+    if type(value) is tuple or type(value) is list:
+        return all(_is_scalar(item) for item in value)
     return type(value) in _SCALAR_TYPES
+
+
+def _snapshot(value: object) -> object:
+    """``value`` (``_is_scalar``) with every list in it copied: the values as they are now."""
+    if type(value) is list:
+        return [_snapshot(item) for item in value]
+    if type(value) is tuple and any(type(item) is list or type(item) is tuple for item in value):
+        return tuple(_snapshot(item) for item in value)
+    return value
 
 
 @functools.cache
@@ -311,8 +324,12 @@ def structural_copy(model: nn.Module) -> nn.Module:
     An RNN's list of its weights (``_flat_weights``, which ``rnn.weight_ih_l0 = ...`` updates in
     place) is copied too.
 
+    A list of scalars (``constant_values``: data a forward may compute with, which the call guard
+    compares with what it was) is copied too, so that the user's model changing its own, in
+    place, leaves the copy's as it was.
+
     Not copied, so shared with ``model``: every other attribute value -- tensors and modules held
-    as plain attributes (not registered), lists and dicts a user's module keeps for itself, and
+    as plain attributes (not registered), other lists and dicts a user's module keeps, and
     classes: ``torch.nn.utils.parametrize`` makes a class per module, so registering or removing
     a parametrization on the copy changes that class for the original too. Closures of hooks and
     of forward methods still refer to whatever they captured. A class whose ``__new__`` needs
@@ -327,7 +344,8 @@ def structural_copy(model: nn.Module) -> nn.Module:
         # rebuilds itself, parametrized modules refuse) is not a structural copy.
         new = type(module).__new__(type(module))
         memo[id(module)] = new
-        state = dict(module.__dict__)
+        state = {name: _snapshot(value) if _is_scalar(value) else value
+                 for name, value in module.__dict__.items()}
         state.pop(COMPILED_CALL, None)
         containers = MODULE_CONTAINERS + tuple(
             name for cls, names in _CLASS_CONTAINERS if isinstance(module, cls) for name in names)

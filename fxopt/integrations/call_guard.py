@@ -20,8 +20,9 @@ graph runs inline does not reach the computation:
   where it has them;
 - a constant of a ``torch.nn`` module set anew (a Dropout's ``p``, a norm's ``eps`` or
   ``momentum``, ``fxopt.core.modules.settable_constants``): the graph has the old value built in;
-  likewise a scalar attribute (a flag, a scale, a size) of a module of another class set anew
-  or deleted (``fxopt.core.modules.constant_values``): its ``forward`` may have read it,
+  likewise a scalar attribute (a flag, a scale, a size, a list of sizes) of a module of another
+  class set anew, deleted or, a list, changed in place
+  (``fxopt.core.modules.constant_values``): its ``forward`` may have read it,
   and the graph has what it read built in; the user's root's are the optimized module's own
   (``fxopt.core.modules.carry_constants``), and guarded alike;
 - a module switched to another mode than the graph that runs it (the root's, or a kept block's,
@@ -50,12 +51,12 @@ copy or a loaded checkpoint starts with no such record, so each is judged as it 
 The module ``fxopt.export`` writes has a guard of its own, torch-only
 (``fxopt.runtime.inline_guard``): hooks, replaced modules and modes, from the same record.
 
-Not handled: an attribute of a module of the user's own class that is no scalar (a list, a
-dict, an object) changed in place where the graph runs it inline (the graph keeps what its
-forward read when captured); a ``training`` flag set on one module alone (not by
-``.train()``/``.eval()``, which switch its submodules too) where only its submodules'
-operations show the mode; an attribute of the user's root module that is no scalar (the
-optimized module does not hold it); process-wide module hooks
+Not handled: an attribute of a module of the user's own class that is neither a scalar nor a
+tuple or list of them (a dict, an object) changed in place where the graph runs it inline (the
+graph keeps what its forward read when captured); a ``training`` flag set on one module alone
+(not by ``.train()``/``.eval()``, which switch its submodules too) where only its submodules'
+operations show the mode; such an attribute of the user's root module (the optimized module
+does not hold it); process-wide module hooks
 (``register_module_forward_hook``), which belong to no module; a hook added while the forward
 runs; a scalar attribute of the user's root refused though its forward never read it (a
 counter a script keeps on the model).
