@@ -7,6 +7,8 @@ and recomputing it is safe (RNG replayed; a leaf that writes its input is not re
 from that input's producer).
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -290,3 +292,69 @@ def test_cli_leaf_modules_and_a_budget_on_the_moe_transformer(tmp_path, capsys):
         run_cli(["optimize", "fxopt.models_zoo.leaves:moe_transformer", "--leaf-modules",
                  "blocks.0.moe;rm"], capsys)
     assert exit_.value.code == 2 and "expected module paths" in capsys.readouterr().err
+
+
+class _Encoder(nn.Module):
+    """A block the user keeps opaque (``leaf_modules``) whose own forward calls its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.inner(x)))
+
+
+class _Leafy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.enc, self.head = nn.Linear(8, 8), _Encoder(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.enc(torch.relu(self.stem(x))))
+
+
+def test_a_layer_sharded_inside_a_leaf_the_graph_calls_trains_as_on_the_model(tmp_path):
+    """FSDP2 on a layer inside an opaque leaf: the graph calls the leaf, whose own forward calls
+    the layer, so FSDP2's hooks gather its parameters as on the user's model. The call guard
+    refused it as a layer the graph never calls; it now trains bit for bit like the model
+    sharded alike (one process, gloo), while the encoder sharded where the root's graph runs it
+    inline (traced through, its layers called one by one) is refused."""
+    import datetime
+
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model, x = _Leafy(), torch.randn(4, 8)
+    slim = fxopt.optimize(model, x, capture="fx", leaf_modules=("enc",), verify=False,
+                          predict_memory=False)
+    inline = fxopt.optimize(model, x, capture="fx", verify=False, predict_memory=False)
+
+    def step(module):
+        out = module(x)
+        out.square().mean().backward()
+        return out.detach(), {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                              for n, p in module.named_parameters()}
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        plain = copy.deepcopy(model)
+        for module in (plain, slim):
+            fully_shard(module.enc.inner)
+            fully_shard(module)
+        expected, got = step(plain), step(slim)
+        fully_shard(inline.enc)  # the root's graph runs enc inline, calling its layers
+        with pytest.raises(fxopt.ConfigError, match="never calls it") as caught:
+            inline(x)
+        assert caught.value.where == "enc"
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    assert list(got[1]) == list(expected[1])
+    for name, grad in expected[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)

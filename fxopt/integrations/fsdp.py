@@ -5,7 +5,9 @@ in hooks around the module's call. The optimized graph calls the root, its block
 (``fxopt.blocks``) and the leaf modules it calls as modules, but reads every other module's
 parameters directly: the layers inside a block, a block fxopt left inlined, and modules outside
 the blocks that some recipes shard on their own (an export-captured model's token embeddings,
-a head the chunked loss reads). Sharded there, the parameters are never gathered, and the forward
+a head the chunked loss reads). A module under a leaf the graph calls as a plain module is
+called by that leaf's own forward, so a shard there is gathered as on the user's model
+(``fxopt.graph.graphs.graph_running``). Sharded elsewhere, the parameters are never gathered, and the forward
 stops half-way with torch's "mixed torch.Tensor and DTensor" error.
 
 ``refuse_uncalled_shards`` runs in the forward pre-hook ``fxopt.optimize`` registers on the module
@@ -25,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from fxopt.core.errors import ConfigError
-from fxopt.graph.graphs import called_paths
+from fxopt.graph.graphs import called_paths, graph_running
 
 
 def refuse_uncalled_shards(module: nn.Module) -> None:
@@ -41,7 +43,8 @@ def refuse_uncalled_shards(module: nn.Module) -> None:
     if not sharded:
         return
     called = called_paths(module)
-    uncalled = [path for path in sharded if path not in called]
+    uncalled = [path for path in sharded
+                if path not in called and graph_running(module, path, called) is not None]
     if uncalled:
         blocks = sorted(p for p in called if p and isinstance(module.get_submodule(p),
                                                                fx.GraphModule))
