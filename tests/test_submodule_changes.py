@@ -26,6 +26,7 @@ from torch import nn
 import fxopt
 from fxopt import models_zoo
 from fxopt.core import meta_keys
+from fxopt.export import export, load_exported
 from fxopt.graph.graphs import called_paths, recomputed_paths
 from helpers import FailAt, grouped_query_llama, seeded
 
@@ -714,3 +715,27 @@ def test_the_guard_checks_in_full_only_after_something_it_watches_changed(monkey
         slim(*x)
     handle.remove()
     slim(*x)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_bias_set_to_none_after_optimize_computes_as_the_model_or_is_refused(capture, tmp_path):
+    """``layer.bias = None`` (a script dropping a bias it will not train): a graph that calls the
+    Linear computes as the model does without it; one torch.export captured reads the bias
+    itself, and its input guard raised a raw AttributeError reading the None's dtype. Now: an
+    fxopt ConfigError naming the parameter before any compute, from the optimized module and
+    from the folder ``fxopt.export`` wrote alike."""
+    model = seeded(TwoScaled)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    slim = fxopt.optimize(model, x, capture=capture, verify=False, predict_memory=False)
+    export(slim, tmp_path / "out", example_inputs=(x,))
+    exported = load_exported(tmp_path / "out").load()
+    model.head.bias = None
+    for module in (slim, exported):
+        module.head.bias = None
+        if capture == "fx":
+            torch.testing.assert_close(module(x), model(x))
+            continue
+        with FailAt() as ops, pytest.raises(Exception, match="head.bias is None now") as caught:
+            module(x)
+        assert ops.calls == 0 and type(caught.value).__name__ == "ConfigError"
+        assert "head.bias" in caught.value.where

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .errors import InputError
+from .errors import ConfigError, InputError
 
 PLAIN = (type(None), bool, int, float, str)  # values a recipe holds as they are (``Const``)
 
@@ -343,6 +343,15 @@ class InputGuard:
         if len(state) != len(self.state):  # a graph edited by hand; nothing to compare
             return
         for (name, dtype, device_type), t in zip(self.state, state):
+            if not isinstance(t, torch.Tensor):
+                raise ConfigError(
+                    f"{name} is {'None' if t is None else f'a {type(t).__name__}'} now, "
+                    f"where fxopt.optimize saw a {dtype} "
+                    f"tensor on {device_type}: the graph torch.export captured reads it as the "
+                    "tensor it was (a parameter or buffer set to None, or to something else, "
+                    "after capture)", where=f"{self.model_name} parameter or buffer {name}",
+                    hint="make the change on your model, then optimize it; or give the module "
+                         f"a tensor {name} again")
             if t.dtype == dtype and self._device_type_kept(device_type, t.device.type, moved):
                 continue
             model = self.model_name
