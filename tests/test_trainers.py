@@ -381,9 +381,14 @@ def test_refused_methods_say_why(optimized, tmp_path):
         gm.generate(torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(fxopt.InputError, match="cannot resize"):
         gm.resize_token_embeddings(VOCAB + 8)
-    for method in ("get_input_embeddings", "enable_input_require_grads"):
+    for method in ("get_input_embeddings", "get_output_embeddings",
+                   "enable_input_require_grads"):
         with pytest.raises(fxopt.InputError, match="embedding module"):
             getattr(gm, method)()
+    for method in ("set_input_embeddings", "set_output_embeddings"):
+        with pytest.raises(fxopt.ConfigError, match="cannot take new embeddings") as caught:
+            getattr(gm, method)(nn.Embedding(VOCAB, 16))
+        assert caught.value.where == f"LlamaForCausalLM.{method}"
     # as Trainer asks for it, before any step
     with pytest.raises(fxopt.ConfigError, match="memory_budget"):
         train_with_trainer(gm, tmp_path, activation_checkpointing=True)
@@ -391,6 +396,35 @@ def test_refused_methods_say_why(optimized, tmp_path):
         train_with_trainer(gm, tmp_path, neftune_noise_alpha=5.0)
     assert state_of(gm).keys() == optimized[1].keys()
     assert_same_parameters(state_of(gm), optimized[1])
+
+
+def test_tie_weights_keeps_the_ties_and_refuses_one_broken_since():
+    """Trainer calls ``tie_weights()`` after loading a checkpoint without the tied keys; on the
+    optimized module it raised AttributeError. Its parameters are the objects the model tied,
+    so it ties nothing again and the module computes as before; a tie broken since (a new
+    Parameter at one of the names) is refused, naming both, and put back it passes again."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, use_cache=False,
+        tie_word_embeddings=True))
+    ids = batch_ids()
+    gm = fxopt.optimize(model, (), example_kwargs={"input_ids": ids, "labels": ids},
+                        verify=False, predict_memory=False)
+    assert gm.lm_head.weight is gm.model.embed_tokens.weight
+    before = gm(input_ids=ids, labels=ids).loss
+    assert gm.tie_weights() is None
+    assert gm.lm_head.weight is model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(gm(input_ids=ids, labels=ids).loss, before, rtol=0, atol=0)
+    tied = gm.lm_head.weight
+    gm.lm_head.weight = nn.Parameter(tied.detach().clone())
+    with pytest.raises(fxopt.ConfigError, match="model.embed_tokens.weight and lm_head.weight "
+                                               "of the optimized LlamaForCausalLM were one "
+                                               "Parameter") as caught:
+        gm.tie_weights()
+    assert caught.value.where == "LlamaForCausalLM.tie_weights"
+    gm.lm_head.weight = tied
+    gm.tie_weights()
 
 
 def test_save_pretrained_saves_the_live_state(optimized, tmp_path):

@@ -3,8 +3,10 @@
 Trainers read more off a model than its ``forward``: Hugging Face's ``Trainer`` reads ``config``
 (and sets ``config.use_cache``), ``accepts_loss_kwargs`` or forward's signature, ``loss_type``,
 ``main_input_name``, ``num_parameters``, ``_keys_to_ignore_on_save`` and ``_get_name()``, and
-calls ``activation_checkpointing_enable`` / ``gradient_checkpointing_enable`` when asked to;
-scripts call ``save_pretrained``. The optimized module is a GraphModule, so for a transformers
+calls ``activation_checkpointing_enable`` / ``gradient_checkpointing_enable`` when asked to,
+and ``tie_weights`` after loading a checkpoint without the tied keys; scripts call
+``save_pretrained`` and reach for the embeddings (``get_output_embeddings``,
+``set_input_embeddings``). The optimized module is a GraphModule, so for a transformers
 ``PreTrainedModel`` fxopt gives it ``PretrainedInterface``: exactly the names in ``DELEGATED``,
 each answered from the original model or from the optimized module's live state, and the names in
 ``REFUSED``, each raising an fxopt error that says why. Nothing else falls through to the
@@ -103,6 +105,9 @@ DELEGATED: dict[str, str] = {
                     "saves still carries the generation config",
     "save_pretrained": "the original class's save_pretrained with the optimized module's current "
                        "state_dict(), under the original's keys",
+    "tie_weights": "Trainer calls it after loading a checkpoint that lacks the tied keys: the "
+                   "optimized module's parameters are the objects the model tied, so it ties "
+                   "nothing again; where a tie was broken since, it is refused",
 }
 
 # Each name the optimized module of a Hugging Face model refuses, and why.
@@ -118,6 +123,12 @@ REFUSED: dict[str, str] = {
                             "do not fire where the optimized graph does not call it",
     "enable_input_require_grads": "it hooks the embedding module, which the optimized graph need "
                                   "not call",
+    "get_output_embeddings": "hooks on the head do not fire where the optimized graph does not "
+                             "call it (the chunked loss reads its weight)",
+    "set_input_embeddings": "the optimized graph runs the embedding as it was captured, not a "
+                            "module put in its place",
+    "set_output_embeddings": "the optimized graph runs the head as it was captured, not a "
+                             "module put in its place",
 }
 
 
@@ -219,8 +230,30 @@ class PretrainedInterface(fx.GraphModule):
             "fixed when the model is captured", where=f"{name}.resize_token_embeddings",
             hint="resize the original model's embeddings, then optimize it")
 
+    def tie_weights(self, *args: Any, **kwargs: Any) -> None:
+        broken = next((names for names in _ties(self._fxopt_stand_in())
+                       if len({id(self.get_parameter(n)) for n in names}) > 1), None)
+        if broken is not None:
+            name = self._get_name()
+            raise ConfigError(
+                f"{' and '.join(broken)} of the optimized {name} were one Parameter when it was "
+                "optimized and are not now: its graph reads each by name, and tie_weights does "
+                "not tie parameters again on a module whose embeddings it cannot reach",
+                where=f"{name}.tie_weights", hint=f"assign {broken[0]} to "
+                f"{', '.join(broken[1:])} again (the one Parameter), or tie them on your model "
+                "and optimize it")
+
     def get_input_embeddings(self) -> None:
         self._fxopt_refuse_embedding_hooks("get_input_embeddings")
+
+    def get_output_embeddings(self) -> None:
+        self._fxopt_refuse_embedding_hooks("get_output_embeddings")
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self._fxopt_refuse_new_embeddings("set_input_embeddings")
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self._fxopt_refuse_new_embeddings("set_output_embeddings")
 
     def enable_input_require_grads(self) -> None:
         self._fxopt_refuse_embedding_hooks("enable_input_require_grads")
@@ -246,6 +279,15 @@ class PretrainedInterface(fx.GraphModule):
             hint="turn off neftune_noise_alpha; register such hooks on the original model before "
                  "optimizing it")
 
+    def _fxopt_refuse_new_embeddings(self, method: str) -> None:
+        name = self._get_name()
+        raise ConfigError(
+            f"the optimized {name} cannot take new embeddings: its graph runs the embedding and "
+            "the head as they were captured, not modules put in their place",
+            where=f"{name}.{method}",
+            hint="set them on the original model, then optimize it; to train with other "
+                 "weights, load them into the optimized module (load_state_dict)")
+
     def __deepcopy__(self, memo: dict) -> fx.GraphModule:
         base = super().__deepcopy__  # the instance class's own (hooks kept, eval graph), except
         # on a copy, whose class torch.fx derives from this one alone: then the hooks' keeper
@@ -253,6 +295,14 @@ class PretrainedInterface(fx.GraphModule):
         copied = deepcopy_keeping_hooks(self, memo) if plain else base(memo)
         object.__setattr__(copied, _STAND_IN, copy.deepcopy(self.__dict__[_STAND_IN], memo))
         return copied
+
+
+def _ties(module: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each Parameter ``module`` holds under more than one name (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
 
 
 def is_pretrained_model(model: nn.Module) -> bool:
