@@ -29,6 +29,7 @@ from fxopt.core.errors import BudgetError, EquivalenceError, InputError
 from fxopt.core.graphs import placeholder_values
 from fxopt.core.inputs import check_inputs, refuse_meta_tensors
 from fxopt.core.modules import carry_constants, structural_copy, wrap_own_calls
+from fxopt.graph.sequential import keep_sequential_interface
 from fxopt.core import progress
 from fxopt.integrations.hf_trainer import keep_pretrained_interface, tell_about_trainer_checkpoints
 from fxopt.core.state import preserved_state
@@ -233,6 +234,7 @@ def _optimize(model: nn.Module, example_inputs: Any, *, passes: Any, memory_budg
         gm.recompile()
     refuse_pickling(gm)  # a pass may have rebuilt the module
     keep_pretrained_interface(gm, model, args)  # what trainers read off a Hugging Face model
+    keep_sequential_interface(gm, model)  # slim[0], len(slim) for a Sequential model
     carry_constants(model, gm)  # the root's scalar attributes, readable and guarded
     guard_calls(gm)  # records the module as returned; verification's calls then pass through it
     if verify:

@@ -12,6 +12,8 @@ Face Llama's regions are also checked for the module names they carry
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import fx, nn
@@ -217,3 +219,54 @@ def test_a_block_that_cannot_be_one_call_stays_flat_with_its_reason():
     assert "feeds back" in info.flat[0][1]
     torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
 
+
+
+class SequentialBody(nn.Module):
+    """Repeated blocks that are themselves Sequentials (conv, norm, activation), as many CNNs
+    write them."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1),
+                                                  nn.BatchNorm2d(8), nn.ReLU())
+                                    for _ in range(3)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.body(self.stem(x)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_block_or_a_model_that_is_a_sequential_indexes_like_one(capture):
+    """``model.body[1][0].requires_grad_(False)``, ``len(model)``, ``for layer in model``: a
+    kept block standing for a Sequential, and the optimized module of a Sequential model, are
+    GraphModules, and indexing one raised ``TypeError: 'Sequential' object is not
+    subscriptable``. Both now answer position, slice, length, iteration and membership with
+    their own submodules, in order, which hold the user's parameters, on deep copies too;
+    freezing a layer reached so trains as on the model."""
+    torch.manual_seed(0)
+    model, x = SequentialBody(), torch.randn(2, 3, 8, 8)
+    slim = fxopt.optimize(model, x, capture=capture, memory_budget="min", verify=False,
+                          predict_memory=False)
+    assert fxopt.blocks(slim) == ["body.0", "body.1", "body.2"]
+    for optimized in (slim, copy.deepcopy(slim)):
+        block = optimized.body[1]
+        assert isinstance(block, fx.GraphModule) and len(block) == 3
+        assert [type(m) for m in block] == [nn.Conv2d, nn.BatchNorm2d, nn.ReLU]
+        assert block[-1] is list(block)[2] and block[0] in block and model.head not in block
+        assert isinstance(block[1:], nn.Sequential) and list(block[1:]) == list(block)[1:]
+    assert slim.body[1][0].weight is model.body[1][0].weight
+    for module in (model, slim):
+        module.body[1][0].requires_grad_(False)
+        module(x).square().sum().backward()
+    assert slim.body[1][0].weight.grad is None
+    for (name, p), q in zip(model.named_parameters(), slim.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimized = fxopt.optimize(mlp, torch.randn(4, 8), capture=capture, verify=False,
+                               predict_memory=False)
+    assert len(optimized) == 3 and [type(m) for m in optimized] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert optimized[0].weight is mlp[0].weight and optimized[-1].weight is mlp[2].weight

@@ -45,6 +45,7 @@ from fxopt.graph.train_eval import (
     replace_eval_graph,
 )
 from fxopt.graph.graphs import graph_module_like
+from fxopt.graph.sequential import keep_sequential_interface
 from fxopt.core import meta_keys
 from fxopt.core.modules import (
     carry_constants,
@@ -226,6 +227,7 @@ def _install_block(gm: fx.GraphModule, train: _Segment, evaluation: _Segment | N
     for node, name in carried.items():
         object.__setattr__(shell, name, operator.attrgetter(node.target)(gm))
     block = graph_module_like(shell, _block_graph(train, names))
+    keep_sequential_interface(block, shell)
     for name in carried.values():
         if not hasattr(block, name):
             object.__setattr__(block, name, shell.__dict__[name])
