@@ -162,6 +162,19 @@ def without_call_wrapper(cls: type) -> type:
     return type(cls.__name__, cls.__bases__, members)
 
 
+def derive_instance_class(gm: Any, interface: type) -> None:
+    """Make ``gm``'s class one of its own deriving from ``interface`` (a GraphModule subclass
+    adding methods: a Hugging Face model's interface, a Sequential's indexing) and from its
+    present per-instance class, whose name it keeps. Named like torch.fx's per-instance classes,
+    so that a copy's class derives from ``interface`` (``GraphModule.__new__`` skips classes of
+    that name); over the class less its call wrapper, since ``recompile()`` makes the new
+    class's own."""
+    base = type(gm)
+    gm.__class__ = type("GraphModuleImpl", (interface, without_call_wrapper(base)), {})
+    gm.__class__.__name__ = base.__name__
+    gm.recompile()
+
+
 # What fx keeps on a GraphModule to hold and run its graph: the graph, and what fx derives from
 # it (the generated code, its line map, the tracer that made it).
 _GRAPH_MODULE_INTERNALS = frozenset({"graph", "_graph", "_code", "_lineno_map", "_prologue_start",
@@ -347,6 +360,7 @@ __all__ = [
     "uncompiled",
     "unset_fake_temporarily",
     "without_call_wrapper",
+    "derive_instance_class",
     "written_arguments",
     "argument_defaults",
     "tensor_version",

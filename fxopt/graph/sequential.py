@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from torch import fx, nn
 
-from fxopt.core.torch_private import without_call_wrapper
+from fxopt.core.torch_private import derive_instance_class
 
 
 class SequentialInterface(fx.GraphModule):
@@ -52,9 +52,4 @@ def keep_sequential_interface(gm: fx.GraphModule, module: nn.Module) -> None:
     if isinstance(gm, SequentialInterface) or not isinstance(
             module, (nn.Sequential, SequentialInterface)):
         return
-    base = type(gm)
-    # Named like torch.fx's per-instance classes, so that a copy's class derives from
-    # SequentialInterface (GraphModule.__new__ skips classes of that name).
-    gm.__class__ = type("GraphModuleImpl", (SequentialInterface, without_call_wrapper(base)), {})
-    gm.__class__.__name__ = base.__name__
-    gm.recompile()
+    derive_instance_class(gm, SequentialInterface)

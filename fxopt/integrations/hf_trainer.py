@@ -56,8 +56,8 @@ from fxopt.core.modules import UNSET, deepcopy_keeping_hooks, structural_copy
 from fxopt.core.torch_private import (
     MODULE_NAME_METHOD,
     FakeTensorMode,
+    derive_instance_class,
     quiet_fake_tensor_logs,
-    without_call_wrapper,
 )
 
 _STAND_IN = "_fxopt_pretrained"
@@ -337,15 +337,9 @@ def keep_pretrained_interface(gm: fx.GraphModule, model: nn.Module, args: tuple)
     else:
         return
     object.__setattr__(gm, _STAND_IN, stand_in)
-    # Named like torch.fx's per-instance classes, so that a copy's class derives from
-    # PretrainedInterface (GraphModule.__new__ skips classes of that name).
     # Its __name__ stays the model's (LlamaForCausalLM): what an export names its class and a
-    # repr shows (only __qualname__ matters to GraphModule.__new__).
-    # Over type(gm) less its call wrapper: recompile() makes the new class's own.
-    base = type(gm)
-    gm.__class__ = type("GraphModuleImpl", (PretrainedInterface, without_call_wrapper(base)), {})
-    gm.__class__.__name__ = base.__name__
-    gm.recompile()
+    # repr shows.
+    derive_instance_class(gm, PretrainedInterface)
 
 
 def _stand_in(model: nn.Module) -> nn.Module:
