@@ -44,6 +44,7 @@ from fxopt.core.torch_private import (
     codegen_of,
     graph_module_attributes,
     graph_module_class_members,
+    per_instance_classes,
 )
 
 MAX_ITEMS = 100_000  # values described per fingerprint (a 4-layer Llama: 6,200, about 20 ms)
@@ -198,8 +199,13 @@ class _Describer:
         if id(cls) in self.seen:
             return ("ref", self.seen[id(cls)])
         self.seen[id(cls)] = len(self.seen)
-        members = graph_module_class_members(cls)
-        return ("generated", tuple(self._named(b) for b in cls.__bases__),
+        # A copy's class derives from the first class that is no per-instance one
+        # (GraphModule.__new__): the per-instance classes of the MRO count as one.
+        generated = per_instance_classes(cls)
+        members: dict[str, Any] = {}
+        for own in reversed(generated):
+            members.update(graph_module_class_members(own))
+        return ("generated", tuple(self._named(b) for b in cls.__mro__ if b not in generated),
                 self._attributes(members))
 
     def _attributes(self, attributes: dict[str, Any]) -> Hashable:

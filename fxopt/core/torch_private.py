@@ -159,7 +159,16 @@ def without_call_wrapper(cls: type) -> type:
     call must not reach another wrapper (each would call the other)."""
     members = {k: v for k, v in vars(cls).items()
                if k not in ("__dict__", "__weakref__", "_wrapped_call", "__call__")}
-    return type(cls.__name__, cls.__bases__, members)
+    copied = type(cls.__name__, cls.__bases__, members)
+    copied.__qualname__ = cls.__qualname__  # still a per-instance class
+    return copied
+
+
+def per_instance_classes(cls: type) -> list[type]:
+    """The classes of ``cls``'s MRO that torch.fx (``GraphModule.__new__``) or fxopt
+    (``derive_instance_class``) made for one GraphModule: named GraphModuleImpl, as
+    ``GraphModule.__new__`` recognizes them."""
+    return [c for c in cls.__mro__ if "GraphModuleImpl" in c.__qualname__]
 
 
 def derive_instance_class(gm: Any, interface: type) -> None:
@@ -361,6 +370,7 @@ __all__ = [
     "unset_fake_temporarily",
     "without_call_wrapper",
     "derive_instance_class",
+    "per_instance_classes",
     "written_arguments",
     "argument_defaults",
     "tensor_version",
