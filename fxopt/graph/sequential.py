@@ -6,8 +6,8 @@ model, and a block ``fxopt.rewrite.blocks`` keeps for a Sequential, are GraphMod
 have none of that: a script raised ``TypeError: 'Sequential' object is not subscriptable``.
 ``keep_sequential_interface`` gives such a module ``SequentialInterface``: ``[i]``, slices,
 ``len``, iteration and ``in`` over its own submodules, in order, as the Sequential answered
-them (the same module objects; a slice is an ``nn.Sequential`` of them, as Sequential's own
-slices are new Sequentials).
+them (fxopt's copies of the user's modules, holding the user's parameters; a slice is a new
+``nn.Sequential`` of them, as Sequential's own slices are).
 
 Read-only: assigning or deleting by index (``model[0] = ...``) is not offered (a module the
 graph runs cannot be replaced that way; ``fxopt.integrations.call_guard`` refuses a replaced
