@@ -257,6 +257,12 @@ def test_a_block_or_a_model_that_is_a_sequential_indexes_like_one(capture):
         assert block[-1] is list(block)[2] and block[0] in block and model.head not in block
         assert isinstance(block[1:], nn.Sequential) and list(block[1:]) == list(block)[1:]
     assert slim.body[1][0].weight is model.body[1][0].weight
+    assigned = copy.deepcopy(slim)  # the operations a script applies keep the interface
+    state = {k: v.clone() for k, v in assigned.state_dict().items()}
+    assigned.load_state_dict(state, assign=True)
+    assert assigned.body[1][0].weight.data_ptr() == state["body.1.0.weight"].data_ptr()
+    assert len(assigned.to(torch.float64).body[1]) == 3
+    assert assigned.body[1][0].weight.dtype == torch.float64
     for module in (model, slim):
         module.body[1][0].requires_grad_(False)
         module(x).square().sum().backward()
